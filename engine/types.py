@@ -1,0 +1,57 @@
+"""Public value types of the engine: what callers pass in and get back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings; never emitted
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """One delta of a request's stream; the last one has ``finished`` set.
+
+    Counts are cumulative; ``text``/``token_ids``/``token_times`` are what is new since the previous delta
+    (several engine steps' worth when the consumer was slow: deltas merge, the engine never waits).
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() of each new token
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    output_tokens: int = 0
+    arrival_time: float = 0.0  # time.monotonic() when the engine received the request
+    queue_time: float | None = None  # seconds from arrival to first scheduled
+    first_token_time: float | None = None  # time.monotonic() of the first output token
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's live state (also read by the dashboard)."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    tokens_per_s: float  # output tokens per second over the recent window
+    prompt_tokens_per_s: float
+    steps: int
+    preemptions: int
