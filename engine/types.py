@@ -18,6 +18,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be non-negative (0: no cut), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop token ids must be non-negative")
+
 
 @dataclass
 class RequestOutput:
@@ -40,6 +58,20 @@ class RequestOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduled
     first_token_time: float | None = None  # time.monotonic() of the first output token
     error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta of the same request into this one (new parts appended, latest state kept)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.token_times.extend(later.token_times)
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens = later.prompt_tokens
+        self.cached_tokens = later.cached_tokens
+        self.output_tokens = later.output_tokens
+        self.queue_time = later.queue_time
+        self.first_token_time = later.first_token_time
+        self.error = later.error
 
 
 @dataclass(frozen=True)

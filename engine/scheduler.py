@@ -1,0 +1,225 @@
+"""Iteration-level continuous batching: plan each engine step under a token budget.
+
+Every step, running sequences go first: decodes (one token each), then the next chunk of prompts still
+being prefilled; then waiting requests, in the policy's order, are admitted with their first prefill chunk
+while the budget, the running-sequence cap and free KV blocks allow. A prompt is cut into chunks of at most
+``prefill_chunk_size`` tokens so a long one cannot stall everyone's decoding. When a running sequence needs
+a block and none is free, the policy picks a victim, whose blocks are freed and whose tokens are recomputed
+when it is admitted again (recompute preemption).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch import StepBatch
+from engine.kv_cache import KVCacheManager
+from engine.policies import Policy
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """One planned step: the model's batch, and which sequence each row of its logits belongs to."""
+
+    batch: StepBatch | None
+    sample_seqs: list[Sequence]  # row i of the logits is the next-token distribution of sample_seqs[i]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)  # finished with an error while planning
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV block tables of their sequences."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        policy: Policy,
+        *,
+        max_model_len: int,
+        max_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        prefill_chunk_size: int = 256,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(max_batched_tokens, max_num_seqs, prefill_chunk_size, max_model_len) < 1:
+            raise ValueError("scheduler limits must be positive")
+        if max_model_len > kv.capacity_tokens:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV pool of {kv.capacity_tokens} tokens"
+            )
+        self.kv = kv
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
+        self.device = torch.device(device)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.policy.on_arrival(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Take the sequence out of the engine and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        self.policy.on_finish(seq)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        seq.token_ids.append(token_id)
+        self.policy.on_tokens(seq, 0, 1)
+
+    def queued_prefill_by_tenant(self) -> dict[str, int]:
+        """Prefill tokens not yet computed, per tenant (what a new request waits behind)."""
+        queued: dict[str, int] = defaultdict(int)
+        for seq in (*self.waiting, *self.running):
+            if seq.num_uncomputed_tokens > 1:
+                queued[seq.tenant_id] += seq.num_uncomputed_tokens
+        return dict(queued)
+
+    def schedule(self) -> ScheduledStep:
+        """Plan the next step and advance the planned sequences' computed-token counts."""
+        planned: dict[str, tuple[Sequence, int]] = {}
+        preempted: list[Sequence] = []
+        budget = self.max_batched_tokens
+        for decode_phase in (True, False):
+            for seq in list(self.running):
+                is_decode = seq.num_uncomputed_tokens == 1
+                if seq.status is not SequenceStatus.RUNNING or is_decode != decode_phase:
+                    continue
+                if budget == 0:
+                    break
+                n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+                if self._reserve(seq, n, planned, preempted):
+                    planned[seq.request_id] = (seq, n)
+                    budget -= n
+            budget = self.max_batched_tokens - sum(n for _, n in planned.values())
+        rejected = self._admit(planned, budget)
+        for seq in preempted:
+            self.waiting.append(seq)
+        step = self._build(list(planned.values()))
+        step.preempted, step.rejected = preempted, rejected
+        return step
+
+    def _reserve(
+        self, seq: Sequence, n: int, planned: dict[str, tuple[Sequence, int]], preempted: list[Sequence]
+    ) -> bool:
+        """Get blocks for ``n`` more tokens of a running sequence, preempting others if needed.
+
+        Returns False when the sequence itself was the policy's victim.
+        """
+        while not self.kv.grow(seq.request_id, seq.num_computed_tokens + n):
+            victim = self.policy.pick_victim(self.running)
+            self._preempt(victim, planned)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, planned: dict[str, tuple[Sequence, int]]) -> None:
+        planned.pop(seq.request_id, None)
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _admit(self, planned: dict[str, tuple[Sequence, int]], budget: int) -> list[Sequence]:
+        """Move waiting sequences into the running set with their first chunk; return those rejected."""
+        rejected: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.policy.pick_next(self.waiting)
+            if seq.num_tokens > self.max_model_len:
+                self.finish(
+                    seq,
+                    "error",
+                    f"prompt of {seq.num_tokens} tokens exceeds the engine's limit of {self.max_model_len}",
+                )
+                rejected.append(seq)
+                continue
+            n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+            if not self.kv.grow(seq.request_id, seq.num_computed_tokens + n):
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            planned[seq.request_id] = (seq, n)
+            budget -= n
+        return rejected
+
+    def _build(self, planned: list[tuple[Sequence, int]]) -> ScheduledStep:
+        """Flatten the planned chunks (query length 1 first) into the model's StepBatch."""
+        if not planned:
+            return ScheduledStep(batch=None, sample_seqs=[])
+        planned.sort(key=lambda item: item[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        num_prefill = 0
+        for seq, n in planned:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.kv.slots(seq.request_id, start, end))
+            query_lens.append(n)
+            context_lens.append(end)
+            block_tables.append(self.kv.block_tables[seq.request_id])
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+            if seq.num_uncomputed_tokens > 1:
+                num_prefill += n
+            fresh_prompt = max(0, min(end, seq.num_prompt_tokens) - seq.num_prompt_tokens_billed)
+            if fresh_prompt:
+                seq.num_prompt_tokens_billed += fresh_prompt
+                self.policy.on_tokens(seq, fresh_prompt, 0)
+            seq.num_computed_tokens = end
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        batch = StepBatch(
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            slot_mapping=tensor(slots),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            logits_indices=tensor(logits_indices),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+        )
+        return ScheduledStep(
+            batch=batch,
+            sample_seqs=sample_seqs,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=len(input_ids) - num_prefill,
+        )

@@ -1,0 +1,105 @@
+"""Step planning: token budget, chunked prefill, decodes first, preemption, rejection (no model needed)."""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCacheManager
+from engine.policies import FCFSPolicy
+from engine.scheduler import ScheduledStep, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.types import SamplingParams
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **limits: int) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size)
+    limits.setdefault("max_model_len", kv.capacity_tokens)
+    return Scheduler(kv, FCFSPolicy(), **limits)
+
+
+def add(scheduler: Scheduler, request_id: str, prompt_len: int, arrival: float) -> Sequence:
+    seq = Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(), arrival_time=arrival)
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler: Scheduler) -> ScheduledStep:
+    """Plan a step and append a made-up token to every sequence whose logits it yields."""
+    plan = scheduler.schedule()
+    for seq in plan.sample_seqs:
+        scheduler.append_token(seq, 7)
+    return plan
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_sampled_only_at_its_end() -> None:
+    scheduler = make_scheduler(prefill_chunk_size=16, max_batched_tokens=512)
+    seq = add(scheduler, "a", 40, 0.0)
+    lens = []
+    for _ in range(3):
+        plan = step(scheduler)
+        lens.append(plan.batch.query_lens)
+        assert plan.sample_seqs == ([seq] if seq.num_output_tokens else [])
+    assert lens == [[16], [16], [8]]
+    assert plan.batch.positions.tolist() == list(range(32, 40))
+    assert plan.batch.context_lens == [40] and plan.batch.logits_indices.tolist() == [7]
+    decode = step(scheduler).batch
+    assert decode.query_lens == [1] and decode.num_decodes == 1 and decode.positions.tolist() == [40]
+
+
+def test_decodes_go_first_and_the_budget_caps_prefill() -> None:
+    scheduler = make_scheduler(prefill_chunk_size=16, max_batched_tokens=20)
+    short = add(scheduler, "short", 3, 0.0)
+    step(scheduler)
+    assert short.num_output_tokens == 1
+    long = add(scheduler, "long", 100, 1.0)
+    plan = step(scheduler)
+    assert plan.batch.query_lens == [1, 16] and plan.batch.num_decodes == 1
+    assert plan.sample_seqs == [short] and plan.num_prefill_tokens == 16 and plan.num_decode_tokens == 1
+    late = add(scheduler, "late", 10, 2.0)
+    plan = step(scheduler)
+    assert plan.batch.query_lens == [1, 16, 3]  # the late prompt gets what is left of the budget
+    assert plan.batch.num_tokens == 20 and late.num_computed_tokens == 3 and long.num_computed_tokens == 32
+
+
+def test_running_cap_keeps_requests_waiting() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        add(scheduler, str(i), 5, float(i))
+    step(scheduler)
+    assert [s.request_id for s in scheduler.running] == ["0", "1"]
+    assert [s.request_id for s in scheduler.waiting] == ["2"]
+
+
+def test_out_of_blocks_preempts_the_latest_arrival_which_recomputes_later() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    first = add(scheduler, "first", 8, 0.0)  # 2 blocks
+    second = add(scheduler, "second", 8, 1.0)  # 2 blocks: the pool is full
+    step(scheduler)
+    assert scheduler.kv.num_free_blocks == 0
+    plan = step(scheduler)  # both decode position 8: a fifth block is needed
+    assert plan.preempted == [second] and scheduler.num_preemptions == 1
+    assert plan.sample_seqs == [first] and second.status is SequenceStatus.WAITING
+    assert second.num_computed_tokens == 0 and "second" not in scheduler.kv.block_tables
+    scheduler.finish(first, "stop")
+    plan = step(scheduler)  # the victim comes back: prompt and its output token are recomputed
+    assert plan.batch.query_lens == [9] and plan.sample_seqs == [second]
+    assert second.output_token_ids == [7, 7]
+
+
+def test_prompt_that_can_never_fit_is_rejected_not_looped_on() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    too_long = add(scheduler, "too-long", 17, 0.0)
+    fine = add(scheduler, "fine", 5, 1.0)
+    plan = step(scheduler)
+    assert plan.rejected == [too_long] and too_long.finish_reason == "error" and "16" in too_long.error
+    assert plan.sample_seqs == [fine] and not scheduler.waiting
+
+
+def test_finish_frees_blocks_of_waiting_and_running_sequences() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, prefill_chunk_size=4)
+    running = add(scheduler, "running", 12, 0.0)
+    waiting = add(scheduler, "waiting", 4, 1.0)
+    scheduler.max_num_seqs = 1
+    step(scheduler)
+    assert scheduler.kv.num_free_blocks == 7
+    scheduler.finish(running, "abort")
+    scheduler.finish(waiting, "abort")
+    assert scheduler.kv.num_free_blocks == 8 and not scheduler.has_unfinished()
