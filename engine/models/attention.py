@@ -1,0 +1,172 @@
+"""Attention over the paged KV cache.
+
+The step's metadata (which blocks each sequence reads, padding and causal masks) is built once per step by
+:meth:`AttentionPlan.build` and reused by every layer. Decodes (query length 1) run together as one padded
+batch: their context blocks are gathered with one ``index_select`` and attended in one SDPA call, with the
+query heads of each KV head grouped so K/V are never repeated. Prefill chunks run one SDPA call each: a chunk
+that starts its sequence attends causally to the step's own K/V; a later chunk reads its earlier context from
+its blocks with a causal mask offset by that context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import StepBatch
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The decodes of a step: one padded [count, padded_len] view of their contexts."""
+
+    count: int
+    block_ids: torch.Tensor  # [count * blocks_per_seq] int64, padded with block 0 (masked out)
+    padded_len: int
+    mask: torch.Tensor  # [count, 1, 1, padded_len] additive: 0 for context, -inf for padding
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One prefill chunk: its rows in the step and where its context lives."""
+
+    start: int  # first row of the chunk in the flat batch
+    length: int  # query tokens in this step
+    context_len: int  # tokens in the cache after this step, the chunk's own included
+    block_ids: torch.Tensor | None  # blocks holding the context; None when the chunk is all of it
+    mask: torch.Tensor | None  # [length, context_len] bool, True where a query may attend
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything the layers need to run attention for one step."""
+
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+    scale: float
+
+    @classmethod
+    def build(cls, batch: StepBatch, block_size: int, head_dim: int, device: torch.device) -> AttentionPlan:
+        """Plan attention for ``batch``; raise ValueError when its per-sequence lists disagree."""
+        count = len(batch.query_lens)
+        if len(batch.context_lens) != count or len(batch.block_tables) != count:
+            raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+        if sum(batch.query_lens) != batch.num_tokens:
+            raise ValueError(
+                f"query_lens sum to {sum(batch.query_lens)}, but the step has {batch.num_tokens} tokens"
+            )
+        for seq, (q_len, ctx_len, table) in enumerate(
+            zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True)
+        ):
+            if q_len < 1 or ctx_len < q_len or len(table) * block_size < ctx_len:
+                raise ValueError(
+                    f"sequence {seq}: query_len {q_len}, context_len {ctx_len}"
+                    f" and {len(table)} blocks disagree"
+                )
+        decode = _plan_decodes(batch, block_size, device) if batch.num_decodes else None
+        prefills = []
+        start = batch.num_decodes
+        for seq in range(batch.num_decodes, count):
+            prefills.append(_plan_prefill(batch, seq, start, block_size, device))
+            start += batch.query_lens[seq]
+        return cls(decode=decode, prefills=prefills, scale=head_dim**-0.5)
+
+
+def _plan_decodes(batch: StepBatch, block_size: int, device: torch.device) -> DecodePlan:
+    count = batch.num_decodes
+    if any(q_len != 1 for q_len in batch.query_lens[:count]):
+        raise ValueError("the first num_decodes sequences must have query length 1")
+    context_lens = batch.context_lens[:count]
+    blocks_per_seq = max(-(-ctx // block_size) for ctx in context_lens)
+    padded = [
+        table[:blocks_per_seq] + [0] * (blocks_per_seq - len(table[:blocks_per_seq]))
+        for table in batch.block_tables[:count]
+    ]
+    padded_len = blocks_per_seq * block_size
+    lens = torch.tensor(context_lens, device=device).unsqueeze(1)
+    valid = torch.arange(padded_len, device=device).unsqueeze(0) < lens
+    mask = torch.zeros(count, padded_len, device=device).masked_fill_(~valid, float("-inf"))
+    return DecodePlan(
+        count=count,
+        block_ids=torch.tensor(padded, dtype=torch.int64, device=device).flatten(),
+        padded_len=padded_len,
+        mask=mask.view(count, 1, 1, padded_len),
+    )
+
+
+def _plan_prefill(
+    batch: StepBatch, seq: int, start: int, block_size: int, device: torch.device
+) -> PrefillPlan:
+    length, context_len = batch.query_lens[seq], batch.context_lens[seq]
+    if context_len == length:
+        return PrefillPlan(start=start, length=length, context_len=context_len, block_ids=None, mask=None)
+    blocks = batch.block_tables[seq][: -(-context_len // block_size)]
+    query_pos = torch.arange(context_len - length, context_len, device=device).unsqueeze(1)
+    mask = torch.arange(context_len, device=device).unsqueeze(0) <= query_pos
+    return PrefillPlan(
+        start=start,
+        length=length,
+        context_len=context_len,
+        block_ids=torch.tensor(blocks, dtype=torch.int64, device=device),
+        mask=mask,
+    )
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The listed blocks of one layer's cache, in order: [len(block_ids) * block_size, kv_heads, head_dim]."""
+    num_slots, kv_heads, head_dim = cache.shape
+    blocks = cache.view(num_slots // block_size, block_size * kv_heads * head_dim).index_select(0, block_ids)
+    return blocks.view(-1, kv_heads, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_size: int,
+    plan: AttentionPlan,
+) -> torch.Tensor:
+    """Attention output [T, heads * head_dim] for the step's queries ``q`` [T, heads, head_dim].
+
+    ``k``/``v`` [T, kv_heads, head_dim] are the step's own keys and values, already written to the caches.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = key_cache.shape[1]
+    group = num_heads // kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    decode = plan.decode
+    if decode is not None:
+        keys = _gather(key_cache, decode.block_ids, block_size)
+        values = _gather(value_cache, decode.block_ids, block_size)
+        keys = keys.view(decode.count, decode.padded_len, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(decode.count, decode.padded_len, kv_heads, head_dim).transpose(1, 2)
+        grouped_q = q[: decode.count].view(decode.count, kv_heads, group, head_dim)
+        result = F.scaled_dot_product_attention(
+            grouped_q, keys, values, attn_mask=decode.mask, scale=plan.scale
+        )
+        out[: decode.count] = result.reshape(decode.count, num_heads * head_dim)
+    for chunk in plan.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        query = q[rows].transpose(0, 1).unsqueeze(0)
+        if chunk.block_ids is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys = _gather(key_cache, chunk.block_ids, block_size)[: chunk.context_len]
+            values = _gather(value_cache, chunk.block_ids, block_size)[: chunk.context_len]
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        result = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=plan.scale,
+            enable_gqa=group > 1,
+        )
+        out[rows] = result.squeeze(0).transpose(0, 1).reshape(chunk.length, num_heads * head_dim)
+    return out

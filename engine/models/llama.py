@@ -1,0 +1,111 @@
+"""The Llama family (Llama, SmolLM2, Qwen2-style biases) running one flattened step over a paged KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import KVCacheTensors, StepBatch
+from engine.models.attention import AttentionPlan, paged_attention
+from engine.models.config import ModelConfig
+from engine.models.loader import LayerWeights, ModelWeights, load_weights
+from engine.models.rope import RotaryTable, apply_rotary
+
+
+class PagedLlama:
+    """A decoder-only Llama whose dense layers see all of a step's tokens as one [T, hidden] batch."""
+
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.rotary = RotaryTable(config, device, dtype)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K and V, all layers together, for one block of ``block_size`` tokens."""
+        cfg = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCacheTensors:
+        """A zeroed paged cache of ``num_blocks`` blocks of ``block_size`` tokens for every layer."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need at least one block of at least one token, got {num_blocks} x {block_size}"
+            )
+        cfg = self.config
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return KVCacheTensors(
+            keys=[zeros() for _ in range(cfg.num_layers)],
+            values=[zeros() for _ in range(cfg.num_layers)],
+            block_size=block_size,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KVCacheTensors) -> torch.Tensor:
+        """Run one step: write its K/V into ``kv`` and return float32 logits [len(logits_indices), vocab]."""
+        cfg = self.config
+        plan = AttentionPlan.build(batch, kv.block_size, cfg.head_dim, self.device)
+        input_ids = batch.input_ids.to(self.device)
+        slots = batch.slot_mapping.to(self.device)
+        cos, sin = self.rotary.lookup(batch.positions.to(self.device))
+        hidden = F.embedding(input_ids, self.weights.embed)
+        for index, layer in enumerate(self.weights.layers):
+            hidden = self._layer(
+                hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
+            )
+        selected = hidden.index_select(0, batch.logits_indices.to(self.device))
+        normed = F.rms_norm(selected, (cfg.hidden_size,), self.weights.final_norm, cfg.rms_norm_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    __call__ = forward
+
+    def _layer(
+        self,
+        hidden: torch.Tensor,
+        layer: LayerWeights,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_size: int,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        cfg = self.config
+        tokens = hidden.shape[0]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        rotated = apply_rotary(
+            qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
+        )
+        q, k = rotated[:, :heads], rotated[:, heads:]
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        key_cache.index_copy_(0, slots, k)
+        value_cache.index_copy_(0, slots, v)
+        attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan)
+        hidden = hidden + F.linear(attn, layer.out, layer.out_bias)
+        x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def load_model(
+    model_dir: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> PagedLlama:
+    """Load a Hugging Face Llama-family directory (config.json + safetensors); ValueError if unsupported."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    weights = load_weights(model_dir, config, device, dtype)
+    return PagedLlama(config, weights, device, dtype)
