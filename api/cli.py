@@ -1,8 +1,8 @@
 """The ``weir`` command line: one entry point, subcommands registered by each package.
 
 Each registering module keeps its imports light (torch, SQLAlchemy and Litestar are imported inside the
-command functions), so ``weir --help`` is instant. A user-facing failure is ``raise SystemExit("weir X: error: ...")``: one line
-on stderr, exit status 1, never a traceback.
+command functions), so ``weir --help`` is instant. A user-facing failure is
+``raise SystemExit("weir X: error: ...")``: one line on stderr, exit status 1, never a traceback.
 """
 
 from __future__ import annotations

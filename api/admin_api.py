@@ -1,0 +1,42 @@
+"""Admin JSON routes (bearer ``WEIR_ADMIN_TOKEN``): engine state, tenants' quotas and usage."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+
+from litestar import Request, get
+
+from api.errors import APIError
+from api.runtime import Runtime
+
+
+def _runtime_as_admin(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    header = request.headers.get("authorization") or ""
+    scheme, _, token = header.partition(" ")
+    expected = runtime.settings.admin_token or ""
+    if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+        raise APIError(
+            401,
+            "A valid admin token is required (Authorization: Bearer WEIR_ADMIN_TOKEN).",
+            code="invalid_admin_token",
+        )
+    runtime.check_ready()
+    return runtime
+
+
+@get("/admin/api/engine")
+async def engine_state(request: Request) -> dict:
+    runtime = _runtime_as_admin(request)
+    stats = dataclasses.asdict(runtime.engine.stats())
+    return {"model": runtime.model_name, **stats, "api": runtime.counters()}
+
+
+@get("/admin/api/tenants")
+async def tenants_state(request: Request) -> dict:
+    runtime = _runtime_as_admin(request)
+    return {"tenants": await runtime.tenants_overview()}
+
+
+ADMIN_ROUTES = [engine_state, tenants_state]

@@ -1,0 +1,140 @@
+"""From a validated body to an admitted ``Job``: tokenize, bound the output, reserve, and shed what the
+engine cannot serve within the tenant's TTFT target (DESIGN.md, "A request's path", steps 3-5)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from api.errors import APIError, bad_request
+from api.metering import Job
+from api.openai_format import ResponseShape
+from api.runtime import Runtime
+from api.schemas import ChatCompletionRequest, CompletionRequest
+from engine.cost import worst_case_cost
+from engine.types import SamplingParams
+from tenants.auth import Principal
+
+
+def _check_model(runtime: Runtime, model: str) -> None:
+    if model not in runtime.model_names:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist. This server serves '{runtime.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _prompt_ids(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+    """The prompt's token ids and the parameter name to blame when it is too long."""
+    tokenizer = runtime.engine.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        return list(tokenizer.apply_chat_template(body.chat_messages())), "messages"
+    prompt = body.prompt_input()
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt)), "prompt"
+    vocab = runtime.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", param="prompt")
+    return list(prompt), "prompt"
+
+
+def _max_tokens(
+    runtime: Runtime, principal: Principal, requested: int | None, prompt_len: int, prompt_param: str
+) -> int:
+    context = runtime.max_model_len
+    room = context - prompt_len
+    limit = principal.quotas.max_output_tokens
+    if requested is not None and limit is not None and requested > limit:
+        raise bad_request(
+            f"max_tokens is too large: {requested}. This key allows at most {limit} output tokens.",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if room < 1 or (requested is not None and requested > room):
+        asked = f"{prompt_len} in the prompt" + (
+            f" + {requested} max_tokens" if requested is not None else ""
+        )
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, you requested {asked}. "
+            "Please reduce the length of the messages or max_tokens.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    return requested if requested is not None else min(room, limit or room)
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings(),
+    )
+
+
+async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None:
+    """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
+    stats = runtime.engine.stats()
+    reason = None
+    retry_after = 1.0
+    if stats.waiting >= runtime.settings.max_waiting:
+        reason = "queue"
+    elif math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_total:
+        raise bad_request(
+            "The prompt does not fit in the server's KV cache.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    else:
+        estimate = runtime.engine.estimate_ttft(prompt_len, str(principal.tenant_id))
+        target = principal.tenant.ttft_target_s
+        if estimate > target:
+            reason = "slo"
+            retry_after = max(1.0, estimate - target)
+    if reason is None:
+        return
+    await runtime.record_shed(principal, reason)
+    raise APIError(
+        503,
+        "The server is overloaded and cannot start your request within its latency target"
+        f" ({reason}). Please retry after a short wait.",
+        type="server_error",
+        code="server_overloaded",
+        headers={"retry-after": str(math.ceil(retry_after))},
+    )
+
+
+async def admit(
+    runtime: Runtime, principal: Principal, body: ChatCompletionRequest | CompletionRequest
+) -> Job:
+    """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
+    body.check_common()
+    _check_model(runtime, body.model)
+    prompt_ids, prompt_param = _prompt_ids(runtime, body)
+    max_tokens = _max_tokens(runtime, principal, body.requested_max_tokens(), len(prompt_ids), prompt_param)
+    params = _sampling(body, max_tokens)
+    reservation = await runtime.reserve(
+        principal, worst_case_cost(len(prompt_ids), max_tokens, runtime.weights)
+    )
+    try:
+        await _shed(runtime, principal, len(prompt_ids))
+    except BaseException:
+        await runtime.release(reservation)
+        raise
+    chat = isinstance(body, ChatCompletionRequest)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    return Job(
+        runtime=runtime,
+        request_id=request_id,
+        tenant_id=principal.tenant_id,
+        tenant_name=principal.tenant_name,
+        key_id=principal.key_id,
+        prompt_ids=prompt_ids,
+        params=params,
+        shape=ResponseShape(chat=chat, model=body.model, include_usage=body.include_usage, id=request_id),
+        stream=bool(body.stream),
+        reservation=reservation,
+    )

@@ -1,0 +1,37 @@
+"""The Litestar application: ``create_app(settings)``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+
+from api.admin_api import ADMIN_ROUTES
+from api.errors import EXCEPTION_HANDLERS
+from api.routes import ROUTES
+from api.runtime import Runtime
+from api.settings import Settings
+
+
+def create_app(settings: Settings) -> Litestar:
+    """The API over one engine and the tenant store; both start in the app's lifespan."""
+    runtime = Runtime(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.runtime = runtime
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    return Litestar(
+        route_handlers=[*ROUTES, *ADMIN_ROUTES],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=None,
+        logging_config=None,
+    )

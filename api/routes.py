@@ -1,0 +1,56 @@
+"""The OpenAI-compatible routes and the health probes."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get, post
+from litestar.types import ASGIApp
+
+from api.admission import admit
+from api.runtime import Runtime
+from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
+from api.sse_response import CompletionResponse
+
+
+async def _completion(request: Request, struct: type[SamplingFields]) -> ASGIApp:
+    runtime: Runtime = request.app.state.runtime
+    runtime.check_ready()
+    principal = await runtime.authenticate(request.headers.get("authorization"))
+    body = decode_body(await request.body(), struct)
+    return CompletionResponse(await admit(runtime, principal, body))
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> ASGIApp:
+    return await _completion(request, ChatCompletionRequest)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> ASGIApp:
+    return await _completion(request, CompletionRequest)
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> dict:
+    runtime: Runtime = request.app.state.runtime
+    runtime.check_ready()
+    await runtime.authenticate(request.headers.get("authorization"))
+    return {"object": "list", "data": [runtime.model_card()]}
+
+
+@get("/healthz")
+async def healthz() -> dict:
+    """The process is up (the model may still be loading)."""
+    return {"status": "ok"}
+
+
+@get("/readyz")
+async def readyz(request: Request) -> Response:
+    """Ready once the model is loaded and the database answers."""
+    runtime: Runtime = request.app.state.runtime
+    ready = runtime.ready
+    return Response(
+        {"ready": ready, "model": runtime.model_name if ready else None}, status_code=200 if ready else 503
+    )
+
+
+ROUTES = [chat_completions, completions, list_models, healthz, readyz]

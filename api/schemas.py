@@ -1,0 +1,128 @@
+"""Request bodies of the OpenAI-compatible routes as msgspec structs (unknown fields are ignored)."""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from api.errors import bad_request, from_decode_error
+
+T = TypeVar("T")
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_STOP_SEQUENCES = 4
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The fields both completion routes share."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences.", param="stop")
+        if any(not s for s in stops):
+            raise bad_request("'stop' sequences must be non-empty strings.", param="stop")
+        return tuple(stops)
+
+    def check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request("Only n=1 is supported: one choice per request.", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages as plain role/content dicts for the chat template; text parts only."""
+        if not self.messages:
+            raise bad_request("'messages' must contain at least one message.", param="messages")
+        out = []
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise bad_request(
+                    f"Invalid role '{message.role}'; expected one of {', '.join(sorted(CHAT_ROLES))}.",
+                    param=f"messages[{i}].role",
+                )
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" or part.text is None for part in content):
+                    raise bad_request(
+                        "Only text content parts are supported.", param=f"messages[{i}].content"
+                    )
+                content = "".join(part.text or "" for part in content)
+            out.append(
+                {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+            )
+        return out
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[str | int]
+
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt as text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if all(isinstance(p, str) for p in prompt) and len(prompt) == 1:
+                prompt = prompt[0]
+            elif any(isinstance(p, str) for p in prompt):
+                raise bad_request(
+                    "Only one prompt per request is supported: a string or a list of token ids.",
+                    param="prompt",
+                )
+        if not prompt:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        return prompt
+
+
+def decode_body(body: bytes, struct: type[T]) -> T:
+    """Decode a request body, turning every malformed or invalid input into a 400 envelope."""
+    try:
+        return msgspec.json.decode(body, type=struct)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None

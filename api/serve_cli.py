@@ -1,0 +1,145 @@
+"""``weir serve`` (the API) and ``weir demo`` (a first tenant and its key)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API",
+        description="Serve the OpenAI-compatible API. Migrates the database first (embedded PostgreSQL "
+        "when DATABASE_URL is unset). Prints an admin token when WEIR_ADMIN_TOKEN is unset.",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--model", help="a Hugging Face Llama-family directory (default: SmolLM2-135M-Instruct)"
+    )
+    serve.add_argument("--model-name", help="the model name clients send (default: the directory's name)")
+    serve.add_argument(
+        "--client-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="drop a connection whose client has not read for this long (default 30)",
+    )
+    serve.add_argument("--kv-cache-memory", type=int, metavar="MIB", help="KV cache size in MiB")
+    serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
+    serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
+    serve.add_argument("--policy", choices=("fcfs", "fair"), help="scheduling policy")
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="shed new requests when this many wait in the engine (default 256)",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body accepted")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=_serve)
+
+    demo = subparsers.add_parser(
+        "demo", help="create a demo tenant and API key if no tenant exists (prints the key once)"
+    )
+    demo.set_defaults(func=_demo)
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise SystemExit(f"weir serve: error: --{name} must be positive, got {value}")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    options = {}
+    if args.kv_cache_memory is not None:
+        options["kv_cache_memory"] = args.kv_cache_memory << 20
+    for name in ("max_batched_tokens", "max_num_seqs", "policy"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
+def _serve(args: argparse.Namespace) -> int:
+    for name in (
+        "client_timeout",
+        "kv_cache_memory",
+        "max_batched_tokens",
+        "max_num_seqs",
+        "max_waiting",
+        "max_body_bytes",
+    ):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"weir serve: error: --port must be in 1..65535, got {args.port}")
+
+    from engine.weights import resolve_model_dir, state_dir_from_env
+    from tenants.db import DatabaseError, database_url, upgrade_to_head
+
+    state_dir = state_dir_from_env()
+    try:
+        model_dir = resolve_model_dir(args.model, state_dir)
+    except ValueError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
+    try:
+        url = database_url()
+        upgrade_to_head(url)
+    except (DatabaseError, OSError) as exc:
+        raise SystemExit(f"weir serve: error: database: {exc}") from None
+
+    admin_token = os.environ.get("WEIR_ADMIN_TOKEN")
+    if not admin_token:
+        admin_token = secrets.token_urlsafe(24)
+        print(f"Admin token (set WEIR_ADMIN_TOKEN to choose your own): {admin_token}", flush=True)
+
+    from api.settings import Settings
+
+    settings = Settings(
+        model=str(model_dir),
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        state_dir=Path(state_dir),
+        database_url=url,
+        admin_token=admin_token,
+        client_timeout_s=args.client_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        engine_options=_engine_options(args),
+    )
+    run_server(settings, args.log_level)
+    return 0
+
+
+def run_server(settings, log_level: str = "info") -> None:
+    """Serve ``create_app(settings)`` with uvicorn until interrupted."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.http_protocol import bounded_protocol
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        http=bounded_protocol(settings.send_buffer_bytes),
+        lifespan="on",
+        log_level=log_level,
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        sys.exit("weir serve: error: the server did not start (see the log above)")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from api.demo import ensure_demo_tenant
+
+    return asyncio.run(ensure_demo_tenant())

@@ -1,0 +1,125 @@
+"""The ASGI response that runs one admitted request through the engine and sends its answer.
+
+Streamed requests get OpenAI's SSE framing; non-streamed ones one JSON body. Either way: a client that
+disconnects aborts the engine request at once, a client that stops reading for ``client_timeout_s`` is
+dropped, and the request is settled and metered exactly once in a shielded cleanup, however it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from api.errors import APIError
+from api.metering import Job, Tracker
+from api.openai_format import DONE, json_bytes, sse
+
+log = logging.getLogger("weir.api")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ClientTooSlow(Exception):
+    """The client did not read what was sent within the client timeout."""
+
+
+class CompletionResponse:
+    """ASGI app for one admitted completion request (``job``), streamed or not."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.tracker = Tracker(job)
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        self.job.runtime.begin(self.job)
+        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        try:
+            if self.job.stream:
+                await self._stream(send)
+            else:
+                await self._respond(send)
+        except ClientTooSlow:
+            self.tracker.dropped = True
+            log.warning(
+                "dropped request %s of tenant %s: client read nothing for %.1fs",
+                self.job.request_id,
+                self.job.tenant_name,
+                self.job.runtime.settings.client_timeout_s,
+            )
+        finally:
+            watcher.cancel()
+            await self.job.runtime.finish(self.job, self.tracker)
+
+    async def _watch_disconnect(self, receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.tracker.responded:
+                    self.tracker.disconnected = True
+                    self.job.runtime.abort(self.job.request_id)
+                return
+
+    async def _send(self, send, message: dict) -> None:
+        try:
+            await asyncio.wait_for(send(message), self.job.runtime.settings.client_timeout_s)
+        except TimeoutError:
+            raise ClientTooSlow from None
+
+    async def _body(self, send, data: bytes, more: bool = True) -> None:
+        await self._send(send, {"type": "http.response.body", "body": data, "more_body": more})
+
+    def _outputs(self) -> contextlib.aclosing:
+        """The engine's deltas, closed (and so aborted in the engine) when the caller stops early."""
+        return contextlib.aclosing(self.job.runtime.generate(self.job))
+
+    async def _stream(self, send) -> None:
+        shape = self.job.shape
+        await self._send(send, {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        if shape.chat:
+            await self._body(send, sse(shape.chunk("", first=True)))
+        async with self._outputs() as outputs:
+            async for out in outputs:
+                self.tracker.update(out)
+                if self.tracker.gone:
+                    return
+                if out.finished and out.finish_reason == "error":
+                    await self._body(send, sse(self.tracker.error().body()))
+                    break
+                if out.text or out.finished:
+                    await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
+        if self.tracker.gone:
+            return
+        if self.tracker.finish_reason is None:  # the engine ended the stream without a final delta
+            await self._body(send, sse(self.tracker.error().body()))
+        elif shape.include_usage:
+            await self._body(send, sse(shape.usage_chunk(self.tracker.usage())))
+        self.tracker.responded = True
+        await self._body(send, DONE, more=False)
+
+    async def _respond(self, send) -> None:
+        parts: list[str] = []
+        async with self._outputs() as outputs:
+            async for out in outputs:
+                self.tracker.update(out)
+                if self.tracker.gone:
+                    return
+                parts.append(out.text)
+        if self.tracker.gone:
+            return
+        if self.tracker.finish_reason is None or self.tracker.finish_reason == "error":
+            error: APIError = self.tracker.error()
+            status, body = error.status, error.body()
+        else:
+            status, body = (
+                200,
+                self.job.shape.completion("".join(parts), self.tracker.finish_reason, self.tracker.usage()),
+            )
+        self.tracker.responded = True
+        await self._send(send, {"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        await self._body(send, json_bytes(body), more=False)
