@@ -1,0 +1,100 @@
+"""The model's tokenizer: encoding, the chat template, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Prompt tokens kept as leading context for the first output tokens (some tokenizers decode a word's leading
+# space only when a token precedes it).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A model directory's fast tokenizer and chat template."""
+
+    def __init__(self, model_dir: Path | str) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        try:
+            self._hf = AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {self.model_dir}: {exc}") from exc
+        if not self._hf.is_fast:
+            raise ValueError(f"{self.model_dir}: only fast (tokenizer.json) tokenizers are supported")
+        self._backend = self._hf.backend_tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
+        self.vocab_size: int = len(self._hf)
+
+    def _eos_ids(self) -> set[int]:
+        """End-of-sequence ids from config.json, generation_config.json and the tokenizer itself."""
+        ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            path = self.model_dir / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        if self._hf.eos_token_id is not None:
+            ids.add(self._hf.eos_token_id)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with only the special tokens the model itself adds (e.g. a BOS)."""
+        return self._backend.encode(text, add_special_tokens=True).ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` in the model's chat template, ending with the assistant prompt."""
+        if not self._hf.chat_template:
+            raise ValueError(f"the model at {self.model_dir} has no chat template")
+        if not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids`` (special tokens such as end-of-turn markers left out by default)."""
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    Each push decodes only a short window: the tokens already emitted since the last completed piece (as
+    context) plus the new ones. Text that ends in an incomplete character (decoded as U+FFFD) is held back
+    until the following tokens complete it, or until :meth:`flush`.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = len(self._ids)  # tokens before this have been emitted as text
+
+    def _window_text(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add new tokens; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        prefix = self._window_text(self._prefix_offset, self._read_offset)
+        text = self._window_text(self._prefix_offset)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an incomplete character decodes as U+FFFD)."""
+        prefix = self._window_text(self._prefix_offset, self._read_offset)
+        text = self._window_text(self._prefix_offset)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix) :]

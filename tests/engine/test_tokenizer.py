@@ -1,0 +1,95 @@
+"""Tokenizer: chat template as transformers renders it; streamed text never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MULTIBYTE = "Café naïve — 東京タワー 🎉🚀👩‍👩‍👧 déjà vu, Ελληνικά, مرحبا, 한국어 ✓"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer(tiny_model_dir)
+
+
+def test_multibyte_text_streamed_token_by_token_rejoins_exactly(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(MULTIBYTE)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([token]) for token in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tokenizer.decode(ids) == MULTIBYTE
+    assert all("\ufffd" not in delta for delta in deltas)
+    # an emoji spans several byte-level tokens: some pushes must have held text back
+    assert deltas.count("") > 1
+
+
+def test_streamed_in_uneven_groups_with_prompt_context(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Say something: ")
+    ids = tokenizer.encode(MULTIBYTE + " and more text after it")
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+    pieces, start = [], 0
+    for size in (1, 3, 2, 5, 1, 4) * 20:
+        if start >= len(ids):
+            break
+        pieces.append(detok.push(ids[start : start + size]))
+        start += size
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_incomplete_character_is_held_until_flush(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("ok 🎉")
+    detok = IncrementalDetokenizer(tokenizer)
+    head = detok.push(ids[:-1])
+    assert "\ufffd" not in head
+    assert head + detok.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_special_tokens_are_not_streamed(tokenizer: Tokenizer) -> None:
+    im_end = tokenizer.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in tokenizer.eos_token_ids
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.push(tokenizer.encode("Paris.")) + detok.push(im_end) + detok.flush() == "Paris."
+
+
+def test_chat_template_matches_transformers(tokenizer: Tokenizer, tiny_model_dir: Path) -> None:
+    reference = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for messages in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Hi 👋"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Où est la tour Eiffel ?"},
+        ],
+    ):
+        expected = reference.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        ids = tokenizer.apply_chat_template(messages)
+        assert ids == list(expected)
+        assert tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]])
+def test_bad_messages_are_refused(tokenizer: Tokenizer, messages) -> None:
+    with pytest.raises(ValueError, match="messages"):
+        tokenizer.apply_chat_template(messages)
+
+
+def test_vocab_and_eos(tokenizer: Tokenizer) -> None:
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.eos_token_ids == {2}
+    assert tokenizer.encode("hello world") == AutoTokenizer.from_pretrained(tokenizer.model_dir).encode(
+        "hello world"
+    )
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        Tokenizer(tmp_path)
