@@ -1,0 +1,47 @@
+"""Tenants, API keys, quotas and the usage ledger in PostgreSQL (SQLAlchemy 2 async + asyncpg).
+
+``tenants`` knows nothing of the engine: costs arrive as plain numbers in cost units (``api`` computes
+them with ``engine/cost.py``). Every database function takes an ``AsyncEngine`` from ``tenants.db``.
+
+Public API (stable; import from the submodules):
+
+``tenants.db``
+    ``database_url() -> str`` (``DATABASE_URL``, else the embedded server under ``<WEIR_STATE_DIR>/postgres``,
+    started if needed and left running for the next command), ``create_engine(url=None) -> AsyncEngine``,
+    ``upgrade_to_head(url)``, ``downgrade(url, revision="base")`` (both callable from sync or async code;
+    they block), ``embedded_server() -> EmbeddedPostgres`` (``.start() -> url``, ``.stop()``,
+    ``.running_url()``), ``state_dir()``, ``DatabaseError``.
+``tenants.records``
+    ``Tenant`` (id, name, weight, status, ttft_target_s, tpot_target_s, quotas, created_at; ``.active``),
+    ``Quotas`` (cost_per_minute, max_concurrency, monthly_budget, max_output_tokens; ``None`` = unlimited),
+    ``ApiKey`` (id, tenant_id, prefix, created_at, revoked_at, last_used_at), and the admin errors
+    ``TenantsError`` > ``NotFound`` / ``Conflict`` / ``InvalidValue`` (one-line messages).
+``tenants.admin``
+    ``create_tenant(engine, name, *, weight, ttft_target_s, tpot_target_s, quota: Quotas)``,
+    ``get_tenant(engine, name_or_id)``, ``list_tenants(engine)``,
+    ``update_tenant(engine, name_or_id, **changes)`` (weight, targets, quota fields; ``None`` = unlimited),
+    ``set_tenant_status(engine, name_or_id, "active" | "suspended")``,
+    ``create_key(engine, tenant) -> (ApiKey, secret)`` (the secret is shown once, never stored),
+    ``list_keys(engine, tenant)``, ``revoke_key(engine, key_id)``.
+``tenants.auth``
+    ``KeyAuthenticator(engine, ttl_s=5.0)``: ``await authenticate(secret) -> Principal`` (key_id, key_prefix,
+    tenant; ``.tenant_id``, ``.tenant_name``, ``.quotas``) or raises ``UnknownKey`` / ``RevokedKey`` /
+    ``TenantSuspended`` (all ``AuthError`` with ``.reason``); results are cached for ``ttl_s``;
+    ``await close()`` writes pending ``last_used_at``.
+``tenants.quotas``
+    ``QuotaManager(engine, lease_s=30.0, sync_interval_s=0.05)``, one per process:
+    ``await reserve(tenant_id, worst_case_cost) -> Reservation | Refusal`` (Refusal: reason
+    ``rate|concurrency|budget``, limit, remaining, retry_after_s (``None``: retrying cannot help), reset_s),
+    ``settle(reservation, actual_cost) -> bool`` and ``release(reservation) -> bool`` (no I/O, idempotent),
+    ``await sync()``, ``await close()``. Per-process leases of budget slices; bounds in the module docstring.
+``tenants.usage``
+    ``UsageEvent`` (request_id, tenant_id, key_id, model, prompt/cached/output tokens, cost, status,
+    finish_reason, queue_s, ttft_s, tpot_s, e2e_s, started_at, finished_at), ``ShedEvent``;
+    ``UsageWriter(engine, spill_dir=None)``: ``submit(event)`` (never blocks or raises on an outage),
+    ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv), ``start()``,
+    ``await flush()``, ``await close()``, ``await replay_spill()``.
+``tenants.queries``
+    ``usage_by_day``, ``latency_percentiles``, ``shed_counts`` (engine, since, until=None, tenant_id=None).
+``tenants.cli``
+    ``register(subparsers)``: ``weir db``, ``weir tenant``, ``weir key``, ``weir usage``.
+"""

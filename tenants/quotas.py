@@ -1,0 +1,264 @@
+"""Cost reservations against per-minute rate, concurrency and monthly budget, safe across processes.
+
+Design: per-process leases of budget slices. The tenant's row in ``quota_state`` is the single source of
+truth (token bucket refilled continuously at ``cost_per_minute / 60`` per second up to one minute's worth,
+in-flight slots, the month's spend). A process takes a *slice* from it in one database round trip
+(``weir_quota_acquire``): cost debited from the bucket *and* the month's budget, plus concurrency slots,
+recorded on the process's lease row. Reservations are then carved from the local slice in memory;
+``settle`` puts the unused part back into the slice. A sync task gives back what the process did not use
+in the last interval, reports the settled cost and renews the lease, in one round trip for all tenants
+(``weir_quota_return``). A process that dies stops renewing; after ``lease_s`` its whole lease (free
+slice and in-flight reservations) is reclaimed by the next acquire for that tenant.
+
+Bounds: everything granted was first taken from the tenant's row under its row lock, so several
+processes together never grant more than the allowance: no overspend at all. The price is that a slice
+held by one process is not available to another: a request may be refused while up to a tenth of each
+limit per other process sits unused in its slice, for at most two sync intervals (0.1 s by default).
+Settled cost not yet reported when a process is killed is given back with its lease (at most one sync
+interval of that process's spending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tenants.records import NotFound
+
+log = logging.getLogger(__name__)
+
+RefusalReason = Literal["rate", "concurrency", "budget"]
+
+_ACQUIRE = sa.text(
+    "SELECT * FROM weir_quota_acquire(:tenant, :holder, :cost, :need_cost, :need_slots, :extra_cost, "
+    ":extra_slots, :consumed, :lease_s)"
+)
+_RETURN = sa.text(
+    "SELECT weir_quota_return(:holder, CAST(:tenants AS bigint[]), CAST(:cost AS double precision[]), "
+    "CAST(:slots AS integer[]), CAST(:consumed AS double precision[]), :lease_s, :close)"
+)
+_EPSILON = 1e-9
+
+
+def _check_cost(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass
+class Reservation:
+    """Cost and one concurrency slot held for a request until :meth:`QuotaManager.settle`/``release``."""
+
+    tenant_id: int
+    cost: float
+    id: int
+    settled: bool = False
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a reservation was refused. ``retry_after_s`` is ``None`` when retrying cannot help (an exhausted
+    monthly budget, or a request larger than a minute's allowance); ``reset_s`` is when the limit fully
+    resets (bucket full again, or the next month), ``None`` for concurrency."""
+
+    reason: RefusalReason
+    limit: float
+    remaining: float
+    retry_after_s: float | None
+    reset_s: float | None
+
+    @property
+    def retryable(self) -> bool:
+        return self.retry_after_s is not None
+
+
+@dataclass
+class _Slice:
+    """What this process holds for one tenant."""
+
+    cost: float = 0.0  # free cost units
+    slots: int = 0  # free concurrency slots
+    consumed: float = 0.0  # settled cost not yet reported to the database
+    reserved_cost: float = 0.0  # worst-case cost reserved since the last sync (the demand estimate)
+    reserved_count: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def take(self, cost: float) -> bool:
+        if self.cost + _EPSILON < cost or self.slots < 1:
+            return False
+        self.cost -= cost
+        self.slots -= 1
+        self.reserved_cost += cost
+        self.reserved_count += 1
+        return True
+
+
+class QuotaManager:
+    """One per process (or per event loop): ``reserve`` / ``settle`` / ``release`` and a sync task."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        lease_s: float = 30.0,
+        sync_interval_s: float = 0.05,
+        holder: str | None = None,
+    ) -> None:
+        if lease_s <= 0 or sync_interval_s <= 0 or sync_interval_s * 4 > lease_s:
+            raise ValueError("need lease_s > 0 and 0 < sync_interval_s <= lease_s / 4")
+        self._engine = engine
+        self.lease_s = lease_s
+        self.sync_interval_s = sync_interval_s
+        self.holder = holder or uuid.uuid4().hex
+        self._slices: dict[int, _Slice] = {}
+        self._ids = itertools.count(1)
+        self._sync_task: asyncio.Task[None] | None = None
+        self._sync_lock = asyncio.Lock()
+        self._last_renewal = time.monotonic()
+        self._closed = False
+
+    async def reserve(self, tenant_id: int, worst_case_cost: float) -> Reservation | Refusal:
+        """Reserve ``worst_case_cost`` and one concurrency slot for ``tenant_id``, or say which limit refuses.
+
+        Raises :class:`~tenants.records.NotFound` for an unknown tenant, ``ValueError`` for a bad cost and
+        SQLAlchemy's errors when the database is unreachable and the local slice does not cover the request.
+        """
+        if self._closed:
+            raise RuntimeError("the quota manager is closed")
+        _check_cost("worst-case cost", worst_case_cost)
+        self._ensure_sync_task()
+        piece = self._slices.get(tenant_id)
+        if piece is None:
+            piece = self._slices[tenant_id] = _Slice()
+        if piece.take(worst_case_cost):
+            return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
+        async with piece.lock:
+            while not piece.take(worst_case_cost):
+                refusal = await self._acquire(tenant_id, piece, worst_case_cost)
+                if refusal is not None:
+                    return refusal
+        return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
+
+    async def _acquire(self, tenant_id: int, piece: _Slice, cost: float) -> Refusal | None:
+        need_cost = max(0.0, cost - piece.cost)
+        need_slots = 0 if piece.slots >= 1 else 1
+        consumed, piece.consumed = piece.consumed, 0.0
+        params = {
+            "tenant": tenant_id, "holder": self.holder, "cost": cost, "need_cost": need_cost,
+            "need_slots": need_slots, "extra_cost": max(4 * cost, piece.reserved_cost),
+            "extra_slots": max(4, piece.reserved_count),
+            "consumed": consumed, "lease_s": self.lease_s,
+        }
+        try:
+            async with self._engine.begin() as conn:
+                row = (await conn.execute(_ACQUIRE, params)).one()
+        except DBAPIError as exc:
+            piece.consumed += consumed
+            if "unknown tenant" in str(exc.orig):
+                self._slices.pop(tenant_id, None)
+                raise NotFound(f"no tenant with id {tenant_id}") from None
+            raise
+        except BaseException:
+            piece.consumed += consumed
+            raise
+        if row.reason is not None:
+            return Refusal(row.reason, row.limit_value, row.remaining, row.retry_after_s, row.reset_s)
+        piece.cost += row.got_cost
+        piece.slots += row.got_slots
+        return None
+
+    def settle(self, reservation: Reservation, actual_cost: float) -> bool:
+        """Charge ``actual_cost`` and give back the rest of the reservation and its slot (no I/O).
+
+        Returns ``False`` if the reservation was already settled or released (nothing happens twice).
+        """
+        _check_cost("actual cost", actual_cost)
+        if reservation.settled:
+            return False
+        reservation.settled = True
+        piece = self._slices.get(reservation.tenant_id)
+        if piece is None:
+            piece = self._slices[reservation.tenant_id] = _Slice()
+        piece.cost += reservation.cost - actual_cost
+        piece.consumed += actual_cost
+        piece.slots += 1
+        return True
+
+    def release(self, reservation: Reservation) -> bool:
+        """Give back a reservation whose request produced nothing billable (same as settling at 0)."""
+        return self.settle(reservation, 0.0)
+
+    def _ensure_sync_task(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            loop = asyncio.get_running_loop()
+            self._sync_task = loop.create_task(self._sync_loop(), name="weir-quota-sync")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await self.sync()
+            except Exception as exc:  # the database may be away; the next round retries
+                log.warning("quota sync failed: %s", exc)
+
+    async def sync(self, *, close: bool = False) -> None:
+        """Give back unused slices, report settled cost and renew the leases now (one round trip).
+
+        Keeps as much as was reserved since the last sync (the recent demand); with ``close``, keeps nothing.
+        """
+        async with self._sync_lock:
+            now = time.monotonic()
+            renew = close or now - self._last_renewal >= self.lease_s / 4
+            batch: list[tuple[int, float, int, float]] = []
+            for tenant_id in sorted(self._slices):
+                piece = self._slices[tenant_id]
+                keep_cost = 0.0 if close else piece.reserved_cost
+                keep_slots = 0 if close else piece.reserved_count
+                give_cost = max(0.0, piece.cost - keep_cost) if not piece.lock.locked() else 0.0
+                give_slots = max(0, piece.slots - keep_slots) if not piece.lock.locked() else 0
+                piece.reserved_cost, piece.reserved_count = 0.0, 0
+                if give_cost > _EPSILON or give_slots or piece.consumed or renew:
+                    batch.append((tenant_id, give_cost, give_slots, piece.consumed))
+                    piece.cost -= give_cost
+                    piece.slots -= give_slots
+                    piece.consumed = 0.0
+            if not batch:
+                return
+            params = {
+                "holder": self.holder, "tenants": [b[0] for b in batch], "cost": [b[1] for b in batch],
+                "slots": [b[2] for b in batch], "consumed": [b[3] for b in batch], "lease_s": self.lease_s,
+                "close": close,
+            }
+            try:
+                async with self._engine.begin() as conn:
+                    await conn.execute(_RETURN, params)
+            except BaseException:
+                for tenant_id, give_cost, give_slots, consumed in batch:
+                    piece = self._slices[tenant_id]
+                    piece.cost += give_cost
+                    piece.slots += give_slots
+                    piece.consumed += consumed
+                raise
+            if renew:
+                self._last_renewal = now
+
+    async def close(self) -> None:
+        """Stop syncing and give back every free slice; leases with reservations still out stay until
+        settled by nobody, then expire and are reclaimed."""
+        self._closed = True
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        await self.sync(close=True)

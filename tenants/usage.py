@@ -1,0 +1,303 @@
+"""The usage ledger: a batched, idempotent writer that never loses an event.
+
+``submit`` only appends to an in-memory buffer (bounded: past ``max_buffer`` events go straight to the spill
+file). A background task writes batches (by size or every ``flush_interval_s``) with
+``INSERT ... ON CONFLICT DO NOTHING`` on the event's id, so a replayed event is never counted twice. When
+the database cannot be reached, batches are appended (and fsynced) to a spill file under
+``<state dir>/spill``; spill files are replayed when the writer starts and when the database returns,
+including files left by a writer process that died (a live writer holds a lock on its own file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tenants.db import state_dir
+from tenants.models import SHED_REASONS, shed_events, usage_events
+
+log = logging.getLogger(__name__)
+
+_INT32 = 2**31 - 1
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    """One finished (or failed, or cancelled) request as billed: costs in cost units, durations in seconds."""
+
+    request_id: str
+    tenant_id: int
+    key_id: int | None
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+    status: str  # e.g. "ok", "error", "cancelled"
+    finish_reason: str | None  # e.g. "stop", "length", None when it never finished
+    queue_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    started_at: datetime
+    finished_at: datetime
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("usage event needs a non-empty request id")
+        for name in ("prompt_tokens", "cached_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32:
+                raise ValueError(f"usage event {name} must be a non-negative int, got {value!r}")
+        for name in ("cost", "queue_s", "ttft_s", "tpot_s", "e2e_s"):
+            value = getattr(self, name)
+            if (value is not None or name == "cost") and not (
+                isinstance(value, int | float) and math.isfinite(value) and value >= 0
+            ):
+                raise ValueError(f"usage event {name} must be a finite number >= 0, got {value!r}")
+        for name in ("started_at", "finished_at"):
+            value = getattr(self, name)
+            if not isinstance(value, datetime) or value.tzinfo is None:
+                raise ValueError(f"usage event {name} must be a timezone-aware datetime")
+
+
+@dataclass(frozen=True)
+class ShedEvent:
+    """A request refused before it ran; ``reason`` is one of rate, concurrency, budget, queue, slo, kv."""
+
+    tenant_id: int
+    reason: str
+    at: datetime = field(default_factory=_utc_now)
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if self.reason not in SHED_REASONS:
+            raise ValueError(f"unknown shed reason {self.reason!r} (one of {', '.join(SHED_REASONS)})")
+
+
+Event = UsageEvent | ShedEvent
+_KINDS: dict[str, type[UsageEvent] | type[ShedEvent]] = {"usage": UsageEvent, "shed": ShedEvent}
+_DATETIME_FIELDS = ("started_at", "finished_at", "at")
+
+
+def _to_line(event: Event) -> str:
+    record: dict[str, Any] = asdict(event)
+    for name in _DATETIME_FIELDS:
+        if name in record:
+            record[name] = record[name].isoformat()
+    record["kind"] = "usage" if isinstance(event, UsageEvent) else "shed"
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+def _from_line(line: str) -> Event:
+    record = json.loads(line)
+    cls = _KINDS[record.pop("kind")]
+    for name in _DATETIME_FIELDS:
+        if name in record:
+            record[name] = datetime.fromisoformat(record[name])
+    return cls(**{f.name: record[f.name] for f in fields(cls)})
+
+
+async def write_events(engine: AsyncEngine, events: list[Event]) -> None:
+    """Insert events idempotently (an id already present is skipped), in one transaction."""
+    usage = [asdict(e) for e in events if isinstance(e, UsageEvent)]
+    shed = [asdict(e) for e in events if isinstance(e, ShedEvent)]
+    async with engine.begin() as conn:
+        if usage:
+            await conn.execute(insert(usage_events).on_conflict_do_nothing(), usage)
+        if shed:
+            await conn.execute(insert(shed_events).on_conflict_do_nothing(), shed)
+
+
+class UsageWriter:
+    """``submit(event)`` (never blocks, never raises for an outage), ``record_shed``, ``flush``, ``close``."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        spill_dir: Path | None = None,
+        batch_size: int = 500,
+        flush_interval_s: float = 0.2,
+        retry_interval_s: float = 1.0,
+        max_buffer: int = 20_000,
+    ) -> None:
+        self._engine = engine
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else state_dir() / "spill"
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.retry_interval_s = retry_interval_s
+        self.max_buffer = max_buffer
+        self._buffer: deque[Event] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._spill: IO[str] | None = None
+        self._spill_seq = 0
+        self._db_down = False
+        self._closed = False
+        self._token = uuid.uuid4().hex
+
+    @property
+    def pending(self) -> int:
+        """Events accepted but not yet in the database or a spill file."""
+        return len(self._buffer)
+
+    @property
+    def database_reachable(self) -> bool:
+        return not self._db_down
+
+    def start(self) -> None:
+        """Start the background writer (replaying leftover spill files first); ``submit`` starts it too."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="weir-usage-writer")
+
+    def submit(self, event: Event) -> None:
+        """Queue an event for the ledger. Never blocks; never raises because the database is away."""
+        if not isinstance(event, UsageEvent | ShedEvent):
+            raise TypeError(f"not a usage or shed event: {event!r}")
+        if self._closed or len(self._buffer) >= self.max_buffer:
+            self._spill_events([event])
+            return
+        self._buffer.append(event)
+        self._idle.clear()
+        if len(self._buffer) >= self.batch_size:
+            self._wake.set()
+        if not self._closed:
+            self.start()
+
+    def record_shed(self, tenant_id: int, reason: str) -> None:
+        """Record a refused request (reason: rate, concurrency, budget, queue, slo, kv)."""
+        self.submit(ShedEvent(tenant_id=tenant_id, reason=reason))
+
+    async def flush(self) -> None:
+        """Wait until every event submitted so far is in the database or in a spill file."""
+        if not self._buffer:
+            return
+        self.start()
+        self._wake.set()
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """Flush, stop the background task and close the spill file (events left go to spill)."""
+        await self.flush()
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._buffer:
+            self._spill_events(list(self._buffer))
+            self._buffer.clear()
+        self._close_spill()
+
+    async def replay_spill(self) -> int:
+        """Write every spill file that no live writer holds (including this writer's own) into the
+        database and delete it. Returns the number of events replayed; raises if the database is away."""
+        self._close_spill()
+        replayed = 0
+        if not self.spill_dir.is_dir():
+            return 0
+        for path in sorted(self.spill_dir.glob("*.jsonl")):
+            with contextlib.suppress(FileNotFoundError), open(path, "r+") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer is still appending to it
+                events = _read_events(handle, path)
+                for start in range(0, len(events), self.batch_size):
+                    await write_events(self._engine, events[start : start + self.batch_size])
+                path.unlink(missing_ok=True)
+                replayed += len(events)
+        return replayed
+
+    async def _run(self) -> None:
+        if self._db_down or self._spill_files_exist():
+            await self._try_replay()
+        while True:
+            if not self._buffer:
+                self._idle.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.retry_interval_s if self._db_down
+                                       else self.flush_interval_s)
+            self._wake.clear()
+            if self._db_down:
+                self._spill_events(self._take(len(self._buffer)))
+                await self._try_replay()
+                continue
+            while self._buffer:
+                batch = self._take(self.batch_size)
+                try:
+                    await write_events(self._engine, batch)
+                except Exception as exc:
+                    log.warning("usage ledger unreachable, spilling %d events: %s", len(batch), exc)
+                    self._db_down = True
+                    self._spill_events(batch + self._take(len(self._buffer)))
+                    break
+
+    def _take(self, count: int) -> list[Event]:
+        return [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]
+
+    async def _try_replay(self) -> None:
+        try:
+            count = await self.replay_spill()
+        except Exception as exc:
+            self._db_down = True
+            log.debug("spill replay failed: %s", exc)
+            return
+        if count:
+            log.info("replayed %d spilled usage events", count)
+        self._db_down = False
+
+    def _spill_files_exist(self) -> bool:
+        return self.spill_dir.is_dir() and any(self.spill_dir.glob("*.jsonl"))
+
+    def _spill_events(self, events: list[Event]) -> None:
+        if not events:
+            return
+        if self._spill is None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._spill_seq += 1
+            path = self.spill_dir / f"usage-{self._token}-{self._spill_seq}.jsonl"
+            self._spill = open(path, "a")  # noqa: SIM115 - held open (and locked) while this writer lives
+            fcntl.flock(self._spill, fcntl.LOCK_EX)
+        self._spill.write("".join(_to_line(e) for e in events))
+        self._spill.flush()
+        os.fsync(self._spill.fileno())
+
+    def _close_spill(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+
+
+def _read_events(handle: IO[str], path: Path) -> list[Event]:
+    events: list[Event] = []
+    for number, line in enumerate(handle, 1):
+        if not line.endswith("\n"):
+            log.warning("%s:%d: ignoring a torn last line", path, number)
+            continue
+        try:
+            events.append(_from_line(line))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("%s:%d: unreadable spilled event skipped: %s", path, number, exc)
+    return events
