@@ -1,0 +1,122 @@
+"""Helpers for the API tests: the running server's handles, ledger lookups, and polling with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.pool import NullPool
+
+from tenants.admin import create_key, create_tenant
+from tenants.db import create_engine
+from tenants.models import shed_events, usage_events
+from tenants.records import Quotas
+
+T = TypeVar("T")
+_QUOTA_FIELDS = ("cost_per_minute", "max_concurrency", "monthly_budget", "max_output_tokens")
+
+
+def run_db(url: str, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    """Run ``func(db, *args, **kwargs)`` on a fresh database connection and wait for it (on a thread of its
+    own, so that it also works from a test whose event loop is running)."""
+
+    async def main() -> T:
+        db = create_engine(url, poolclass=NullPool)
+        try:
+            return await func(db, *args, **kwargs)
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, main()).result()
+
+
+def wait_until(condition: Callable[[], T], deadline_s: float = 15.0, what: str = "condition") -> T:
+    """Poll ``condition`` until it returns something truthy; fail after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class ApiServer:
+    base_url: str
+    admin_token: str
+    database_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    async def create_tenant(self, db: AsyncEngine, **options: Any) -> tuple[int, str]:
+        quota = Quotas(**{k: options.pop(k) for k in _QUOTA_FIELDS if k in options})
+        tenant = await create_tenant(db, f"t-{uuid.uuid4().hex[:10]}", quota=quota, **options)
+        _, secret = await create_key(db, tenant.id)
+        return tenant.id, secret
+
+    def admin(self, path: str) -> dict:
+        response = httpx.get(
+            f"{self.base_url}/admin/api/{path}",
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=10,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def engine_idle(self) -> dict | None:
+        """The engine's stats once nothing runs or waits and every KV block is free, else None."""
+        stats = self.admin("engine")
+        idle = stats["running"] == 0 and stats["waiting"] == 0
+        return stats if idle and stats["kv_blocks_free"] == stats["kv_blocks_total"] else None
+
+    def usage_rows(self, tenant_id: int) -> list[dict]:
+        return self._usage(usage_events.c.tenant_id == tenant_id)
+
+    def _usage(self, where: sa.ColumnElement[bool]) -> list[dict]:
+        async def query(db: AsyncEngine) -> list[dict]:
+            async with db.connect() as conn:
+                rows = await conn.execute(sa.select(usage_events).where(where))
+                return [dict(row._mapping) for row in rows]
+
+        return run_db(self.database_url, query)
+
+    def wait_usage_row(self, request_id: str, deadline_s: float = 15.0) -> dict:
+        """The ledger row of one request, once it is written."""
+        rows = wait_until(
+            lambda: self._usage(usage_events.c.request_id == request_id), deadline_s, f"usage of {request_id}"
+        )
+        return rows[0]
+
+    def wait_usage(self, tenant_id: int, count: int, deadline_s: float = 15.0) -> list[dict]:
+        """The tenant's ledger rows once there are ``count`` of them."""
+
+        def enough() -> list[dict] | None:
+            rows = self.usage_rows(tenant_id)
+            return rows if len(rows) >= count else None
+
+        return wait_until(enough, deadline_s, f"{count} usage events of tenant {tenant_id}")
+
+    def shed_reasons(self, tenant_id: int) -> list[str]:
+        async def query(db: AsyncEngine) -> list[str]:
+            async with db.connect() as conn:
+                rows = await conn.execute(sa.select(shed_events.c.reason).where(shed_events.c.tenant_id == tenant_id))
+                return [row.reason for row in rows]
+
+        return run_db(self.database_url, query)
