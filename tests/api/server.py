@@ -116,7 +116,8 @@ class ApiServer:
     def shed_reasons(self, tenant_id: int) -> list[str]:
         async def query(db: AsyncEngine) -> list[str]:
             async with db.connect() as conn:
-                rows = await conn.execute(sa.select(shed_events.c.reason).where(shed_events.c.tenant_id == tenant_id))
+                query_ = sa.select(shed_events.c.reason).where(shed_events.c.tenant_id == tenant_id)
+                rows = await conn.execute(query_)
                 return [row.reason for row in rows]
 
         return run_db(self.database_url, query)
