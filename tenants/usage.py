@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import DataError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.db import state_dir
@@ -33,6 +34,7 @@ from tenants.models import SHED_REASONS, shed_events, usage_events
 log = logging.getLogger(__name__)
 
 _INT32 = 2**31 - 1
+SPILL_SCAN_S = 10.0
 
 
 def _utc_now() -> datetime:
@@ -63,6 +65,10 @@ class UsageEvent:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("usage event needs a non-empty request id")
+        for name in ("request_id", "model", "status", "finish_reason"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "\x00" in value):
+                raise ValueError(f"usage event {name} must be text without NUL characters, got {value!r}")
         for name in ("prompt_tokens", "cached_tokens", "output_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32:
@@ -218,22 +224,31 @@ class UsageWriter:
         if not self.spill_dir.is_dir():
             return 0
         for path in sorted(self.spill_dir.glob("*.jsonl")):
-            with contextlib.suppress(FileNotFoundError), open(path, "r+") as handle:
+            try:
+                handle = open(path, "r+")  # noqa: SIM115 - closed by the with below
+            except FileNotFoundError:
+                continue  # replayed meanwhile by another writer
+            with handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live writer is still appending to it
                 events = _read_events(handle, path)
                 for start in range(0, len(events), self.batch_size):
-                    await write_events(self._engine, events[start : start + self.batch_size])
+                    await self._write(events[start : start + self.batch_size])
                 path.unlink(missing_ok=True)
                 replayed += len(events)
         return replayed
 
     async def _run(self) -> None:
-        if self._db_down or self._spill_files_exist():
-            await self._try_replay()
+        loop = asyncio.get_running_loop()
+        next_scan = 0.0
         while True:
+            if not self._db_down and loop.time() >= next_scan:
+                # leftovers of writers that died, found at start and then every SPILL_SCAN_S
+                next_scan = loop.time() + SPILL_SCAN_S
+                if self._spill_files_exist():
+                    await self._try_replay()
             if not self._buffer:
                 self._idle.set()
             with contextlib.suppress(TimeoutError):
@@ -247,12 +262,29 @@ class UsageWriter:
             while self._buffer:
                 batch = self._take(self.batch_size)
                 try:
-                    await write_events(self._engine, batch)
+                    await self._write(batch)
                 except Exception as exc:
                     log.warning("usage ledger unreachable, spilling %d events: %s", len(batch), exc)
                     self._db_down = True
                     self._spill_events(batch + self._take(len(self._buffer)))
                     break
+
+    async def _write(self, events: list[Event]) -> None:
+        """Write a batch; if the database rejects a value, write the rest and set the bad events aside in
+        ``rejected.jsonl.bad`` (kept for inspection, never replayed) so they cannot block the ledger."""
+        try:
+            await write_events(self._engine, events)
+            return
+        except DataError:
+            pass  # find the bad events one by one
+        for event in events:
+            try:
+                await write_events(self._engine, [event])
+            except DataError as exc:
+                log.error("usage event %s rejected by the database: %s", event, exc.orig)
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                with open(self.spill_dir / "rejected.jsonl.bad", "a") as handle:
+                    handle.write(_to_line(event))
 
     def _take(self, count: int) -> list[Event]:
         return [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]

@@ -1,0 +1,141 @@
+"""The usage ledger never loses an event and never counts one twice: across a PostgreSQL outage and
+across the death of the writing process."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tenants.db import EmbeddedPostgres, create_engine, upgrade_to_head
+from tenants.usage import UsageEvent, UsageWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+START = datetime(2026, 5, 1, tzinfo=UTC)
+
+
+def make_event(n: int, tenant_id: int = 1) -> UsageEvent:
+    finished = START + timedelta(seconds=n)
+    return UsageEvent(
+        request_id=f"req-{n:06d}", tenant_id=tenant_id, key_id=7, model="smol", prompt_tokens=n % 50,
+        cached_tokens=0, output_tokens=n % 7, cost=float(n % 50 + 2 * (n % 7)), status="ok",
+        finish_reason="stop", queue_s=0.001, ttft_s=0.05, tpot_s=0.01, e2e_s=0.2,
+        started_at=finished - timedelta(seconds=0.2), finished_at=finished,
+    )
+
+
+async def _ids(engine) -> list[str]:
+    async with engine.connect() as conn:
+        return list((await conn.execute(sa.text("SELECT request_id FROM usage_events"))).scalars())
+
+
+async def _wait_for(predicate: Callable[[], bool | Awaitable[bool]], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not await _value(predicate()):
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _value(result: bool | Awaitable[bool]) -> bool:
+    return await result if inspect.isawaitable(result) else bool(result)
+
+
+@pytest.fixture
+def own_server(tmp_path: Path):
+    """A PostgreSQL of this test's own, so that stopping it disturbs nobody else."""
+    server = EmbeddedPostgres(tmp_path / "pg")
+    url = server.start()
+    upgrade_to_head(url)
+    yield server, url
+    server.stop()
+
+
+async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_path):
+    server, url = own_server
+    engine = create_engine(url)
+    writer = UsageWriter(engine, spill_dir=tmp_path / "spill", batch_size=20, flush_interval_s=0.01,
+                         retry_interval_s=0.05)
+    for n in range(100):
+        writer.submit(make_event(n))
+    await writer.flush()
+    assert len(await _ids(engine)) == 100
+
+    async def produce(first: int, count: int) -> None:
+        for n in range(first, first + count):
+            writer.submit(make_event(n))
+            if n % 5 == 0:
+                await asyncio.sleep(0.002)
+
+    producing = asyncio.create_task(produce(100, 400))
+    await asyncio.sleep(0.05)
+    await asyncio.to_thread(server.stop)  # mid-write
+    await _wait_for(lambda: not writer.database_reachable, "the writer to notice the outage")
+    await producing
+    await writer.flush()
+    assert writer.pending == 0
+    assert any((tmp_path / "spill").glob("*.jsonl")), "events during the outage should be spilled"
+    for n in range(50):  # submitted twice: counted once
+        writer.submit(make_event(n))
+    await asyncio.to_thread(server.start)
+
+    async def all_written() -> bool:
+        return len(await _ids(engine)) >= 500 and writer.database_reachable
+    await _wait_for(all_written, "replay after the restart")
+    await writer.close()
+    ids = await _ids(engine)
+    assert sorted(ids) == [make_event(n).request_id for n in range(500)]
+    assert not list((tmp_path / "spill").glob("*.jsonl"))
+    await engine.dispose()
+
+
+async def test_spilled_events_of_a_killed_writer_are_replayed_once(db_engine, database_url, tmp_path):
+    spill = tmp_path / "spill"
+    unreachable = "postgresql+asyncpg://postgres@/postgres?host=/nonexistent-weir-socket-dir&port=5432"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = Path(__file__).with_name("usage_worker.py")
+    worker = subprocess.Popen(
+        [sys.executable, str(script), unreachable, str(spill), "0", "300"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = worker.stdout.readline().split()
+        assert line == ["flushed", "0"], (line, worker.stderr.read() if worker.poll() is not None else "")
+    finally:
+        worker.kill()
+        worker.wait()
+    assert list(spill.glob("*.jsonl"))
+
+    writer = UsageWriter(db_engine, spill_dir=spill, flush_interval_s=0.01, retry_interval_s=0.05)
+    writer.submit(make_event(5))  # already in the spill file too
+    for n in range(300, 310):
+        writer.submit(make_event(n))
+
+    async def replayed() -> bool:
+        return len(await _ids(db_engine)) >= 310
+    await _wait_for(replayed, "the spill file to be replayed")
+    await writer.close()
+    assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in range(310)]
+    assert not list(spill.glob("*.jsonl"))
+    # a second writer finds nothing left to replay
+    again = UsageWriter(db_engine, spill_dir=spill)
+    assert await again.replay_spill() == 0
+    await again.close()
+
+
+def test_bad_events_are_refused_at_once():
+    with pytest.raises(ValueError):
+        make_event(1).__class__(**{**make_event(1).__dict__, "output_tokens": -1})
+    with pytest.raises(ValueError):
+        make_event(1).__class__(**{**make_event(1).__dict__, "started_at": datetime(2026, 1, 1)})
+    writer = UsageWriter(create_engine("postgresql://postgres@/x?host=/nonexistent"))
+    with pytest.raises(ValueError):
+        writer.record_shed(1, "boredom")
