@@ -1,0 +1,83 @@
+"""`weir bench engine` and `weir bench serve`: the benchmarks that print comparison tables.
+
+The benchmark modules (torch, httpx) are imported only when a benchmark runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="run a benchmark and print its comparison table")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    engine = kinds.add_parser("engine", help="offline throughput: Weir's engine vs transformers batching")
+    add_engine_arguments(engine)
+    engine.set_defaults(func=_engine)
+    online = kinds.add_parser("serve", help="online load over HTTP: goodput, TTFT, TPOT at SLO")
+    add_serve_arguments(online)
+    online.set_defaults(func=_serve)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from bench import engine_throughput
+
+    return engine_throughput.main(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from bench import serve
+
+    return serve.main(args)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick", action="store_true", help="a small workload (8 short requests) for a fast look"
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="R",
+        help="request rate(s) per second; several values sweep them in order",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=32, metavar="N", help="requests per rate (default 32)"
+    )
+    parser.add_argument("--tenants", type=int, default=1, metavar="K", help="spread requests over K keys")
+    parser.add_argument("--keys", metavar="FILE", help="API keys, one per line")
+    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000)
+    parser.add_argument("--slo-tpot-ms", type=float, default=200)
+    parser.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="share of requests within SLO below which a system misses it (default 0.9)",
+    )
+    parser.add_argument("--name", default="weir", help="label of --base-url in the table (default weir)")
+    parser.add_argument(
+        "--model", metavar="PATH", help="model directory for prompts and the peer (default SmolLM2)"
+    )
+    parser.add_argument("--model-name", help="model id to request (default: the first of GET /models)")
+    parser.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also run the load against `transformers serve --continuous-batching` started here",
+    )
+    parser.add_argument(
+        "--transformers-port", type=int, metavar="PORT", help="its port (default: a free one)"
+    )
+    parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")

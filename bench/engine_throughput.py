@@ -1,0 +1,198 @@
+"""Offline engine throughput: one seeded workload through Weir's engine and `transformers`' own batching.
+
+    weir bench engine [--quick] [--out FILE.json]
+
+The workload (32 requests, prompts of 32-512 real token ids, 32-128 output tokens each, EOS ignored) runs
+through (a) Weir's engine, (b) `transformers` continuous batching and (c) padded static ``generate()`` in
+batches of 16, on the same weights, in that order, in one process. Each system first runs a tiny warm-up
+workload, untimed. The table gives output tokens/s and Weir's ratio to each peer, and the workload's compute
+ceiling: its FLOPs at the rate of a 2048x2048x2048 fp32 matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from bench.ceiling import ModelShape, ceiling_tokens_per_s, measure_matmul_flops, workload_flops
+from bench.hf_peers import load_hf_model, run_generate_batch, run_static_generate
+from bench.model import bench_device, bench_model_dir, load_tokenizer
+from bench.report import format_table, progress, write_json
+from bench.workload import (
+    FULL,
+    QUICK,
+    BenchRequest,
+    SystemResult,
+    WorkloadSpec,
+    check_lengths,
+    make_workload,
+    ordinary_token_ids,
+)
+from engine.types import SamplingParams
+
+WARMUP = WorkloadSpec(num_requests=2, prompt_len=(8, 16), output_len=(2, 4), seed=1)
+TARGETS = {"transformers_generate_batch": 8.0, "transformers_static_generate": 4.0}
+CEILING_TARGET = 0.6
+
+Runner = Callable[[Sequence[BenchRequest]], SystemResult]
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_dir = bench_model_dir(args.model, "engine")
+    device = bench_device()
+    token_ids = ordinary_token_ids(load_tokenizer(model_dir))
+    base = QUICK if args.quick else FULL
+    spec = WorkloadSpec(base.num_requests, base.prompt_len, base.output_len, seed=args.seed)
+    workload = make_workload(spec, token_ids)
+    warmup = make_workload(WARMUP, token_ids)
+    prompt_tokens = sum(r.prompt_len for r in workload)
+    output_tokens = sum(r.output_len for r in workload)
+    progress(
+        f"workload: {len(workload)} requests, {prompt_tokens} prompt and {output_tokens} output tokens; "
+        f"device {device}, {torch.get_num_threads()} threads"
+    )
+
+    progress("measuring the 2048^3 fp32 matmul rate")
+    matmul_before = measure_matmul_flops(device)
+    shape = ModelShape.from_model_dir(model_dir)
+    total_flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload])
+
+    runners: dict[str, Callable[[], Runner]] = {
+        "weir": lambda: _weir_runner(model_dir, device),
+        "transformers_generate_batch": lambda: _hf_runner(model_dir, device, run_generate_batch),
+        "transformers_static_generate": lambda: _hf_runner(model_dir, device, run_static_generate),
+    }
+    systems = {}
+    for name, make_runner in runners.items():
+        progress(f"{name}: loading and warming up")
+        runner = make_runner()
+        runner(warmup)
+        progress(f"{name}: running the workload")
+        result = runner(workload)
+        progress(f"{name}: {result.output_tokens_per_s:.1f} output tokens/s in {result.seconds:.1f}s")
+        systems[name] = {
+            "label": result.name,
+            "output_tokens_per_s": round(result.output_tokens_per_s, 3),
+            "seconds": round(result.seconds, 3),
+            "output_tokens": result.output_tokens,
+            "computed_output_tokens": result.computed_tokens,
+            **({"notes": result.notes} if result.notes else {}),
+            **result.extra,
+        }
+        del runner
+    progress("measuring the matmul rate again")
+    matmul_flops = max(matmul_before, measure_matmul_flops(device))  # the better one: the higher ceiling
+    ceiling = ceiling_tokens_per_s(total_flops, output_tokens, matmul_flops)
+    weir = systems["weir"]["output_tokens_per_s"]
+    return {
+        "benchmark": "engine",
+        "model_dir": str(model_dir),
+        "machine": {
+            "device": device,
+            "torch_threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+        },
+        "workload": {
+            "requests": len(workload),
+            "prompt_len": list(spec.prompt_len),
+            "output_len": list(spec.output_len),
+            "seed": spec.seed,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "flops": total_flops,
+        },
+        "matmul_gflops": round(matmul_flops / 1e9, 2),
+        "ceiling_tokens_per_s": round(ceiling, 3),
+        "weir_fraction_of_ceiling": round(weir / ceiling, 4),
+        "weir_ratio": {
+            name: round(weir / s["output_tokens_per_s"], 3) for name, s in systems.items() if name != "weir"
+        },
+        "systems": systems,
+    }
+
+
+def _hf_runner(model_dir, device: str, run_system) -> Runner:
+    model = load_hf_model(str(model_dir), device)
+    return lambda workload: run_system(model, workload)
+
+
+def _weir_runner(model_dir, device: str) -> Runner:
+    """Weir's engine with its default configuration, stepped here so that progress can be shown."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    core = EngineCore.from_config(EngineConfig(model=str(model_dir), device=device), progress=False)
+    return lambda workload: run_weir(core, workload)
+
+
+def run_weir(core, workload: Sequence[BenchRequest]) -> SystemResult:
+    """Submit the whole workload at once (greedy, EOS ignored) and step the engine until it is done."""
+    start = time.perf_counter()
+    for i, request in enumerate(workload):
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        core.add_request(f"bench-{i}", list(request.prompt_ids), params)
+    done: dict[str, int] = {}
+    steps = 0
+    while core.has_unfinished():
+        steps += 1
+        for out in core.step():
+            if out.finished:
+                if out.error:
+                    raise RuntimeError(f"Weir's engine failed {out.request_id}: {out.error}")
+                done[out.request_id] = out.output_tokens
+                progress(f"  weir: {len(done)}/{len(workload)} requests done ({steps} steps)")
+    seconds = time.perf_counter() - start
+    got = [done[f"bench-{i}"] for i in range(len(workload))]
+    check_lengths("weir", got, [r.output_len for r in workload])
+    return SystemResult("weir engine", seconds, sum(got), sum(got), extra={"steps": steps})
+
+
+def render(result: dict) -> str:
+    """Systems with tokens/s and Weir's ratio to each (with its target), then the ceiling."""
+    rows = []
+    for name, s in result["systems"].items():
+        ratio = result["weir_ratio"][name]
+        target = TARGETS.get(name)
+        verdict = "" if target is None else f">= {target:g}x {'met' if ratio >= target else 'MISSED'}"
+        rows.append(
+            [s["label"], s["output_tokens_per_s"], s["seconds"], s["output_tokens"], f"{ratio:.2f}x", verdict]
+        )
+    fraction = result["weir_fraction_of_ceiling"]
+    verdict = f">= {CEILING_TARGET:.0%} {'met' if fraction >= CEILING_TARGET else 'MISSED'}"
+    rows.append(["compute ceiling", result["ceiling_tokens_per_s"], None, None, f"{fraction:.0%}", verdict])
+    table = format_table(["system", "output tok/s", "seconds", "tokens", "Weir ratio", "target"], rows)
+    w = result["workload"]
+    return "\n".join(
+        [
+            f"workload: {w['requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens "
+            f"({w['prompt_tokens']} total), outputs {w['output_len'][0]}-{w['output_len'][1]} "
+            f"({w['output_tokens']} total), {w['flops'] / 1e9:.1f} GFLOP",
+            f"matmul 2048^3 fp32: {result['matmul_gflops']:.1f} GFLOP/s on {result['machine']['device']} "
+            "(the better of two measurements, before and after the systems ran)",
+            table,
+            *(f"{s['label']}: {s['notes']}" for s in result["systems"].values() if "notes" in s),
+        ]
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(render(result))
+    if args.out:
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from bench.cli import add_engine_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine_throughput", description=__doc__.splitlines()[0]
+    )
+    add_engine_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

@@ -1,0 +1,44 @@
+"""Plain-text tables and JSON result files for the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; the first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"row has {len(row)} cells, expected {len(headers)}")
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    """Write ``data`` as indented JSON, creating parent directories."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, so stdout keeps only the results."""
+    print(message, file=sys.stderr, flush=True)
