@@ -1,11 +1,12 @@
 """Attention over the paged KV cache.
 
 The step's metadata (which blocks each sequence reads, padding and causal masks) is built once per step by
-:meth:`AttentionPlan.build` and reused by every layer. Decodes (query length 1) run together as one padded
+:meth:`AttentionPlan.build` and reused by every layer. Decodes (query length 1) run together as a padded
 batch: their context blocks are gathered with one ``index_select`` and attended in one SDPA call, with the
-query heads of each KV head grouped so K/V are never repeated. Prefill chunks run one SDPA call each: a chunk
-that starts its sequence attends causally to the step's own K/V; a later chunk reads its earlier context from
-its blocks with a causal mask offset by that context.
+query heads of each KV head grouped so K/V are never repeated; decodes of very different context lengths
+are split into a few groups of similar length so that little of the padded layout is wasted. Prefill
+chunks run one SDPA call each: a chunk that starts its sequence attends causally to the step's own K/V; a
+later chunk reads its earlier context from its blocks with a causal mask offset by that context.
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ import torch.nn.functional as F
 
 from engine.batch import StepBatch
 
+# Planning cost of one more decode group, in padded context tokens (an extra gather and SDPA call per layer).
+GROUP_COST_TOKENS = 256
+# At most this many candidate group boundaries are considered (keeps planning cheap for huge batches).
+MAX_GROUP_BOUNDARIES = 64
+
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """The decodes of a step: one padded [count, padded_len] view of their contexts."""
+class DecodeGroup:
+    """Decodes of similar context length, attended together in one padded [count, padded_len] layout."""
 
+    rows: torch.Tensor  # [count] int64, their rows in the flat batch
     count: int
     block_ids: torch.Tensor  # [count * blocks_per_seq] int64, padded with block 0 (masked out)
     padded_len: int
-    mask: torch.Tensor  # [count, 1, 1, padded_len] additive: 0 for context, -inf for padding
+    mask: torch.Tensor | None  # [count, 1, 1, padded_len] additive (-inf on padding); None if no padding
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class PrefillPlan:
 class AttentionPlan:
     """Everything the layers need to run attention for one step."""
 
-    decode: DecodePlan | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillPlan]
     scale: float
 
@@ -65,34 +72,74 @@ class AttentionPlan:
                     f"sequence {seq}: query_len {q_len}, context_len {ctx_len}"
                     f" and {len(table)} blocks disagree"
                 )
-        decode = _plan_decodes(batch, block_size, device) if batch.num_decodes else None
+        if any(q_len != 1 for q_len in batch.query_lens[: batch.num_decodes]):
+            raise ValueError("the first num_decodes sequences must have query length 1")
+        decodes = _plan_decodes(batch, block_size, device)
         prefills = []
         start = batch.num_decodes
         for seq in range(batch.num_decodes, count):
             prefills.append(_plan_prefill(batch, seq, start, block_size, device))
             start += batch.query_lens[seq]
-        return cls(decode=decode, prefills=prefills, scale=head_dim**-0.5)
+        return cls(decodes=decodes, prefills=prefills, scale=head_dim**-0.5)
 
 
-def _plan_decodes(batch: StepBatch, block_size: int, device: torch.device) -> DecodePlan:
-    count = batch.num_decodes
-    if any(q_len != 1 for q_len in batch.query_lens[:count]):
-        raise ValueError("the first num_decodes sequences must have query length 1")
-    context_lens = batch.context_lens[:count]
-    blocks_per_seq = max(-(-ctx // block_size) for ctx in context_lens)
-    padded = [
-        table[:blocks_per_seq] + [0] * (blocks_per_seq - len(table[:blocks_per_seq]))
-        for table in batch.block_tables[:count]
-    ]
+def _plan_decodes(batch: StepBatch, block_size: int, device: torch.device) -> list[DecodeGroup]:
+    blocks_needed = [-(-ctx // block_size) for ctx in batch.context_lens[: batch.num_decodes]]
+    order = sorted(range(batch.num_decodes), key=blocks_needed.__getitem__)
+    groups = []
+    start = 0
+    for end in _group_ends([blocks_needed[i] for i in order], block_size):
+        members = order[start:end]
+        groups.append(_decode_group(batch, members, blocks_needed[members[-1]], block_size, device))
+        start = end
+    return groups
+
+
+def _group_ends(sorted_blocks: list[int], block_size: int) -> list[int]:
+    """Group ends over decodes sorted by length minimising padded tokens plus a cost per group (DP)."""
+    count = len(sorted_blocks)
+    if count == 0:
+        return []
+    # candidate cut positions: after the last sequence of each distinct length, thinned to a bounded number
+    cuts = [i + 1 for i in range(count) if i + 1 == count or sorted_blocks[i + 1] != sorted_blocks[i]]
+    if len(cuts) > MAX_GROUP_BOUNDARIES:
+        step = len(cuts) / MAX_GROUP_BOUNDARIES
+        cuts = sorted({cuts[int(k * step)] for k in range(MAX_GROUP_BOUNDARIES)} | {count})
+    best = [0.0] + [float("inf")] * len(cuts)  # best[j]: cost of covering the first cuts[j - 1] sequences
+    back = [0] * (len(cuts) + 1)
+    for j, end in enumerate(cuts, start=1):
+        padded = sorted_blocks[end - 1] * block_size
+        for i in range(j):
+            begin = cuts[i - 1] if i else 0
+            cost = best[i] + (end - begin) * padded + GROUP_COST_TOKENS
+            if cost < best[j]:
+                best[j], back[j] = cost, i
+    ends, j = [], len(cuts)
+    while j:
+        ends.append(cuts[j - 1])
+        j = back[j]
+    return ends[::-1]
+
+
+def _decode_group(
+    batch: StepBatch, members: list[int], blocks_per_seq: int, block_size: int, device: torch.device
+) -> DecodeGroup:
+    padded = [batch.block_tables[i][:blocks_per_seq] for i in members]
+    padded = [table + [0] * (blocks_per_seq - len(table)) for table in padded]
     padded_len = blocks_per_seq * block_size
-    lens = torch.tensor(context_lens, device=device).unsqueeze(1)
-    valid = torch.arange(padded_len, device=device).unsqueeze(0) < lens
-    mask = torch.zeros(count, padded_len, device=device).masked_fill_(~valid, float("-inf"))
-    return DecodePlan(
-        count=count,
+    context_lens = [batch.context_lens[i] for i in members]
+    mask = None
+    if any(ctx != padded_len for ctx in context_lens):
+        lens = torch.tensor(context_lens, device=device).unsqueeze(1)
+        valid = torch.arange(padded_len, device=device).unsqueeze(0) < lens
+        mask = torch.zeros(len(members), padded_len, device=device).masked_fill_(~valid, float("-inf"))
+        mask = mask.view(len(members), 1, 1, padded_len)
+    return DecodeGroup(
+        rows=torch.tensor(members, dtype=torch.int64, device=device),
+        count=len(members),
         block_ids=torch.tensor(padded, dtype=torch.int64, device=device).flatten(),
         padded_len=padded_len,
-        mask=mask.view(count, 1, 1, padded_len),
+        mask=mask,
     )
 
 
@@ -136,19 +183,18 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = key_cache.shape[1]
-    group = num_heads // kv_heads
+    group_size = num_heads // kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    decode = plan.decode
-    if decode is not None:
-        keys = _gather(key_cache, decode.block_ids, block_size)
-        values = _gather(value_cache, decode.block_ids, block_size)
-        keys = keys.view(decode.count, decode.padded_len, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(decode.count, decode.padded_len, kv_heads, head_dim).transpose(1, 2)
-        grouped_q = q[: decode.count].view(decode.count, kv_heads, group, head_dim)
+    for group in plan.decodes:
+        keys = _gather(key_cache, group.block_ids, block_size)
+        values = _gather(value_cache, group.block_ids, block_size)
+        keys = keys.view(group.count, group.padded_len, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(group.count, group.padded_len, kv_heads, head_dim).transpose(1, 2)
+        grouped_q = q.index_select(0, group.rows).view(group.count, kv_heads, group_size, head_dim)
         result = F.scaled_dot_product_attention(
-            grouped_q, keys, values, attn_mask=decode.mask, scale=plan.scale
+            grouped_q, keys, values, attn_mask=group.mask, scale=plan.scale
         )
-        out[: decode.count] = result.reshape(decode.count, num_heads * head_dim)
+        out.index_copy_(0, group.rows, result.reshape(group.count, num_heads * head_dim))
     for chunk in plan.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         query = q[rows].transpose(0, 1).unsqueeze(0)
@@ -166,7 +212,7 @@ def paged_attention(
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=plan.scale,
-            enable_gqa=group > 1,
+            enable_gqa=group_size > 1,
         )
         out[rows] = result.squeeze(0).transpose(0, 1).reshape(chunk.length, num_heads * head_dim)
     return out
