@@ -46,12 +46,6 @@ def _max_tokens(
     context = runtime.max_model_len
     room = context - prompt_len
     limit = principal.quotas.max_output_tokens
-    if requested is not None and limit is not None and requested > limit:
-        raise bad_request(
-            f"max_tokens is too large: {requested}. This key allows at most {limit} output tokens.",
-            param="max_tokens",
-            code="invalid_value",
-        )
     if room < 1 or (requested is not None and requested > room):
         asked = f"{prompt_len} in the prompt" + (
             f" + {requested} max_tokens" if requested is not None else ""
@@ -61,6 +55,12 @@ def _max_tokens(
             "Please reduce the length of the messages or max_tokens.",
             param=prompt_param,
             code="context_length_exceeded",
+        )
+    if requested is not None and limit is not None and requested > limit:
+        raise bad_request(
+            f"max_tokens is too large: {requested}. This key allows at most {limit} output tokens.",
+            param="max_tokens",
+            code="invalid_value",
         )
     return requested if requested is not None else min(room, limit or room)
 

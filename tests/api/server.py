@@ -97,6 +97,16 @@ class ApiServer:
 
         return run_db(self.database_url, query)
 
+    def shed_reasons(self, tenant_id: int) -> list[str]:
+        async def query(db: AsyncEngine) -> list[str]:
+            async with db.connect() as conn:
+                rows = await conn.execute(
+                    sa.select(shed_events.c.reason).where(shed_events.c.tenant_id == tenant_id)
+                )
+                return [row.reason for row in rows]
+
+        return run_db(self.database_url, query)
+
     def wait_usage_row(self, request_id: str, deadline_s: float = 15.0) -> dict:
         """The ledger row of one request, once it is written."""
         rows = wait_until(
@@ -106,18 +116,20 @@ class ApiServer:
 
     def wait_usage(self, tenant_id: int, count: int, deadline_s: float = 15.0) -> list[dict]:
         """The tenant's ledger rows once there are ``count`` of them."""
+        return _wait_count(
+            lambda: self.usage_rows(tenant_id), count, deadline_s, f"usage of tenant {tenant_id}"
+        )
 
-        def enough() -> list[dict] | None:
-            rows = self.usage_rows(tenant_id)
-            return rows if len(rows) >= count else None
+    def wait_shed_reasons(self, tenant_id: int, count: int = 1, deadline_s: float = 15.0) -> list[str]:
+        """The reasons of the tenant's recorded refusals, once there are ``count`` of them."""
+        return _wait_count(
+            lambda: self.shed_reasons(tenant_id), count, deadline_s, f"refusals of {tenant_id}"
+        )
 
-        return wait_until(enough, deadline_s, f"{count} usage events of tenant {tenant_id}")
 
-    def shed_reasons(self, tenant_id: int) -> list[str]:
-        async def query(db: AsyncEngine) -> list[str]:
-            async with db.connect() as conn:
-                query_ = sa.select(shed_events.c.reason).where(shed_events.c.tenant_id == tenant_id)
-                rows = await conn.execute(query_)
-                return [row.reason for row in rows]
+def _wait_count(fetch: Callable[[], list[T]], count: int, deadline_s: float, what: str) -> list[T]:
+    def enough() -> list[T] | None:
+        items = fetch()
+        return items if len(items) >= count else None
 
-        return run_db(self.database_url, query)
+    return wait_until(enough, deadline_s, f"{count} {what}")
