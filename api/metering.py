@@ -57,6 +57,15 @@ class Tracker:
         self.prompt_tokens = len(self.job.prompt_ids)
 
     @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def completed(self) -> bool:
+        """The engine ended the request normally (a stop condition or the length limit)."""
+        return self.finish_reason in ("stop", "length")
+
+    @property
     def gone(self) -> bool:
         return self.disconnected or self.dropped
 
@@ -78,7 +87,11 @@ class Tracker:
 
     def error(self) -> APIError:
         """The server-side failure of this request, in the envelope."""
-        detail = self.engine_error or "the engine ended the request unexpectedly"
+        detail = self.engine_error or (
+            "the server stopped the request"
+            if self.finish_reason == "abort"
+            else "the request ended unexpectedly"
+        )
         return APIError(500, f"The server had an error while generating: {detail}", type="server_error")
 
     def cost(self, weights: CostWeights) -> float:
@@ -89,7 +102,7 @@ class Tracker:
         """(status, finish_reason) for the ledger; status is "ok", "cancelled" or "error"."""
         if self.dropped:
             return "cancelled", "client_timeout"
-        if self.finish_reason in ("stop", "length") and (self.responded or not self.disconnected):
+        if self.completed and (self.responded or not self.disconnected):
             return "ok", self.finish_reason
         if self.gone or self.finish_reason == "abort":
             return "cancelled", "abort"

@@ -127,7 +127,7 @@ class Runtime:
             self._counts["clients_dropped_slow"] += 1
         elif tracker.disconnected:
             self._counts["clients_disconnected"] += 1
-        if tracker.finish_reason is None:
+        if not tracker.finished:
             self.abort(job.request_id)
         cost = tracker.cost(self.weights)
         try:

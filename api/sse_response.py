@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 from api.errors import APIError
 from api.metering import Job, Tracker
 from api.openai_format import DONE, json_bytes, sse
+from engine.types import RequestOutput
 
 log = logging.getLogger("weir.api")
 
@@ -45,13 +47,7 @@ class CompletionResponse:
             else:
                 await self._respond(send)
         except ClientTooSlow:
-            self.tracker.dropped = True
-            log.warning(
-                "dropped request %s of tenant %s: client read nothing for %.1fs",
-                self.job.request_id,
-                self.job.tenant_name,
-                self.job.runtime.settings.client_timeout_s,
-            )
+            self._drop()
         finally:
             watcher.cancel()
             await self.job.runtime.finish(self.job, self.tracker)
@@ -65,6 +61,16 @@ class CompletionResponse:
                     self.job.runtime.abort(self.job.request_id)
                 return
 
+    def _drop(self) -> None:
+        self.tracker.dropped = True
+        self.job.runtime.abort(self.job.request_id)
+        log.warning(
+            "dropped request %s of tenant %s: its client read nothing for %.1fs",
+            self.job.request_id,
+            self.job.tenant_name,
+            self.job.runtime.settings.client_timeout_s,
+        )
+
     async def _send(self, send, message: dict) -> None:
         try:
             await asyncio.wait_for(send(message), self.job.runtime.settings.client_timeout_s)
@@ -74,52 +80,60 @@ class CompletionResponse:
     async def _body(self, send, data: bytes, more: bool = True) -> None:
         await self._send(send, {"type": "http.response.body", "body": data, "more_body": more})
 
-    def _outputs(self) -> contextlib.aclosing:
-        """The engine's deltas, closed (and so aborted in the engine) when the caller stops early."""
-        return contextlib.aclosing(self.job.runtime.generate(self.job))
+    async def _consume(self, emit: Callable[[RequestOutput], Awaitable[None]]) -> None:
+        """Read the engine's deltas to the last one, handing each to ``emit`` while the client is there.
 
-    async def _stream(self, send) -> None:
-        shape = self.job.shape
-        await self._send(send, {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        if shape.chat:
-            await self._body(send, sse(shape.chunk("", first=True)))
-        async with self._outputs() as outputs:
+        A client that leaves or stalls has its request aborted; reading goes on until the engine's final
+        delta (within a step), whose counts are what gets billed. Closing the iterator early (an error
+        here) aborts the request in the engine too.
+        """
+        async with contextlib.aclosing(self.job.runtime.generate(self.job)) as outputs:
             async for out in outputs:
                 self.tracker.update(out)
                 if self.tracker.gone:
-                    return
-                if out.finished and out.finish_reason == "error":
-                    await self._body(send, sse(self.tracker.error().body()))
-                    break
-                if out.text or out.finished:
-                    await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
+                    continue
+                try:
+                    await emit(out)
+                except ClientTooSlow:
+                    self._drop()
+
+    async def _stream(self, send) -> None:
+        shape = self.job.shape
+
+        async def emit(out: RequestOutput) -> None:
+            if out.finished and not self.tracker.completed:
+                await self._body(send, sse(self.tracker.error().body()))
+            elif out.text or out.finished:
+                await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
+
+        await self._send(send, {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        if shape.chat:
+            await self._body(send, sse(shape.chunk("", first=True)))
+        await self._consume(emit)
         if self.tracker.gone:
             return
-        if self.tracker.finish_reason is None:  # the engine ended the stream without a final delta
+        if not self.tracker.finished:  # the engine ended the stream without a final delta
             await self._body(send, sse(self.tracker.error().body()))
-        elif shape.include_usage:
+        elif self.tracker.completed and shape.include_usage:
             await self._body(send, sse(shape.usage_chunk(self.tracker.usage())))
         self.tracker.responded = True
         await self._body(send, DONE, more=False)
 
     async def _respond(self, send) -> None:
         parts: list[str] = []
-        async with self._outputs() as outputs:
-            async for out in outputs:
-                self.tracker.update(out)
-                if self.tracker.gone:
-                    return
-                parts.append(out.text)
+
+        async def emit(out: RequestOutput) -> None:
+            parts.append(out.text)
+
+        await self._consume(emit)
         if self.tracker.gone:
             return
-        if self.tracker.finish_reason is None or self.tracker.finish_reason == "error":
+        if self.tracker.completed:
+            status = 200
+            body = self.job.shape.completion("".join(parts), self.tracker.finish_reason, self.tracker.usage())
+        else:
             error: APIError = self.tracker.error()
             status, body = error.status, error.body()
-        else:
-            status, body = (
-                200,
-                self.job.shape.completion("".join(parts), self.tracker.finish_reason, self.tracker.usage()),
-            )
         self.tracker.responded = True
         await self._send(send, {"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
         await self._body(send, json_bytes(body), more=False)

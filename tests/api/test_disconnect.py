@@ -1,0 +1,114 @@
+"""Clients that leave or stop reading: the engine request ends, its KV blocks come back, the partial output
+is billed once, the reservation is settled, and other tenants' streams keep flowing."""
+
+from __future__ import annotations
+
+import json
+import socket
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import CLIENT_TIMEOUT_S
+from tests.api.server import ApiServer, wait_until
+
+LONG = 1500  # output tokens the tiny model would produce if nobody stopped it (it rarely emits EOS)
+
+
+def _model(server: ApiServer) -> str:
+    return httpx.get(f"{server.base_url}/readyz").json()["model"]
+
+
+def _assert_settled(server: ApiServer, key: str) -> None:
+    """With max_concurrency=1, a new request only passes once the previous reservation was settled."""
+    client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+    reply = client.completions.create(model=_model(server), prompt="x", max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+async def test_disconnect_mid_stream_frees_blocks_and_bills_partial(
+    api_server: ApiServer, make_tenant
+) -> None:
+    tenant_id, key = make_tenant(max_concurrency=1)
+    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    chunks = []
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        http.stream("POST", f"{api_server.v1}/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+            if len(chunks) == 5:
+                break
+    stats = wait_until(api_server.engine_idle, what="all KV blocks free after the disconnect")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    row = api_server.wait_usage_row(chunks[0]["id"])
+    assert (row["status"], row["finish_reason"]) == ("cancelled", "abort")
+    assert 5 <= row["output_tokens"] < LONG
+    assert row["cost"] == pytest.approx(row["prompt_tokens"] + 2 * row["output_tokens"])
+    _assert_settled(api_server, key)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(api_server: ApiServer, make_tenant) -> None:
+    tenant_id, key = make_tenant(max_concurrency=1)
+    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{api_server.v1}/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=1.0
+        )
+    [row] = api_server.wait_usage(tenant_id, 1)
+    assert (row["status"], row["finish_reason"]) == ("cancelled", "abort")
+    assert row["output_tokens"] < LONG
+    wait_until(api_server.engine_idle, what="all KV blocks free after the disconnect")
+    _assert_settled(api_server, key)
+
+
+def test_non_reading_client_is_dropped_while_others_keep_streaming(
+    api_server: ApiServer, make_tenant
+) -> None:
+    slow_tenant, slow_key = make_tenant()
+    _, fast_key = make_tenant()
+    address = urlsplit(api_server.base_url)
+    body = json.dumps(
+        {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    ).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {slow_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect((address.hostname, address.port))
+    try:
+        slow.sendall(request)  # ... and never read
+        wait_until(lambda: api_server.admin("engine")["running"] >= 1, what="the slow request running")
+        client = openai.OpenAI(base_url=api_server.v1, api_key=fast_key, max_retries=0)
+        stream = client.completions.create(
+            model=_model(api_server),
+            prompt="Hello",
+            max_tokens=100,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 100
+        dropped = api_server.usage_rows(slow_tenant)
+        assert dropped == [], "the other stream finished while the stalled client was still connected"
+
+        [row] = api_server.wait_usage(slow_tenant, 1, deadline_s=CLIENT_TIMEOUT_S + 30)
+        assert (row["status"], row["finish_reason"]) == ("cancelled", "client_timeout")
+        assert 0 < row["output_tokens"] <= LONG
+        assert api_server.admin("engine")["api"]["clients_dropped_slow"] >= 1
+        wait_until(api_server.engine_idle, what="all KV blocks free after the drop")
+        slow.settimeout(10)
+        with pytest.raises((ConnectionResetError, TimeoutError)):
+            while slow.recv(65536):
+                pass
+            raise ConnectionResetError  # orderly end of stream after the server closed: also a drop
+    finally:
+        slow.close()
