@@ -1,0 +1,308 @@
+"""The synchronous engine: one ``step()`` plans a batch, runs the model, samples, and reports deltas.
+
+``EngineCore`` is driven by one thread (``engine.client.AsyncEngine`` runs it on its own). For offline work
+there is ``generate_offline(core, requests)``: it submits every ``(prompt_token_ids, SamplingParams)`` pair at
+once, steps until all finish and returns one merged ``RequestOutput`` per request, in order (the benchmark
+times Weir with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import KVCacheTensors
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager, num_blocks_for_memory
+from engine.policies import make_policy
+from engine.sampler import StopStringMatcher, make_generator, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.types import EngineStats, RequestOutput, SamplingParams
+
+log = logging.getLogger("weir.engine")
+
+RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
+DEFAULT_TOKENS_PER_S = 500.0  # assumed step throughput before the first step is measured
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detokenizer: object  # engine.tokenizer.IncrementalDetokenizer
+    stops: StopStringMatcher
+    generator: torch.Generator | None
+
+
+class EngineCore:
+    """Continuous batching over a paged KV cache, one step at a time."""
+
+    def __init__(
+        self,
+        model,  # engine.models.PagedLlama
+        tokenizer,  # engine.tokenizer.Tokenizer
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        prefill_chunk_size: int = 256,
+        max_model_len: int | None = None,
+        policy: str = "fcfs",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.model_name = "model"
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv_tensors: KVCacheTensors = model.new_kv_cache(num_blocks, block_size)
+        limit = min(model.config.max_position_embeddings, self.kv.capacity_tokens)
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        self.scheduler = Scheduler(
+            self.kv,
+            make_policy(policy),
+            max_model_len=self.max_model_len,
+            max_batched_tokens=max_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            prefill_chunk_size=prefill_chunk_size,
+            device=self.device,
+        )
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self.vocab_size = model.config.vocab_size
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._steps = 0
+        self._window: deque[tuple[float, int, int]] = deque()  # (step end, output tokens, prompt tokens)
+        self._window_sums = [0, 0]
+        self._step_tokens_per_s = DEFAULT_TOKENS_PER_S
+        self._queued_prefill: dict[str, int] = {}
+        self._stats = self._snapshot()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
+        """Load the model and tokenizer named by ``config`` and size the KV pool from its memory budget."""
+        from engine.models import load_model
+        from engine.tokenizer import Tokenizer
+        from engine.weights import resolve_model_dir
+
+        model_dir = resolve_model_dir(config.model, config.resolved_state_dir(), progress=progress)
+        device = config.torch_device()
+        model = load_model(model_dir, device, config.torch_dtype())
+        bytes_per_block = model.kv_bytes_per_block(config.block_size)
+        num_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory, bytes_per_block)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s",
+            num_blocks,
+            config.block_size,
+            num_blocks * bytes_per_block / 2**20,
+            device,
+        )
+        core = cls(
+            model,
+            Tokenizer(model_dir),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_batched_tokens=config.max_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            prefill_chunk_size=config.prefill_chunk_size,
+            max_model_len=config.max_model_len,
+            policy=config.policy,
+            device=device,
+        )
+        core.model_name = model_dir.name
+        return core
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot take (a too long prompt ends with an error)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not prompt_token_ids:
+            raise ValueError("the prompt has no tokens")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant_id: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; its outputs come from the following ``step()`` calls."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.check_request(request_id, prompt_token_ids, params)
+        from engine.tokenizer import IncrementalDetokenizer
+
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            tenant_id=tenant_id,
+            priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self._requests[request_id] = _Request(
+            seq,
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
+            StopStringMatcher(params.stop),
+            make_generator(params, self.device),
+        )
+        self.scheduler.add(seq)
+        self._refresh()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now; False if it is not (or no longer) in the engine."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request.seq, "abort")
+        self._aborted.append(self._output(request.seq, "", [], []))
+        self._refresh()
+        return True
+
+    def end_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+        """End every request in the engine (shutdown, or a failed step) and free all blocks."""
+        outputs, self._aborted = self._aborted, []
+        for request in self._requests.values():
+            self.scheduler.finish(request.seq, reason, error)
+            outputs.append(self._output(request.seq, "", [], []))
+        self._requests.clear()
+        self._refresh()
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return a delta for every request that produced tokens or ended."""
+        outputs, self._aborted = self._aborted, []
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for seq in plan.rejected:
+            del self._requests[seq.request_id]
+            outputs.append(self._output(seq, "", [], []))
+        new_tokens = 0
+        if plan.batch is not None:
+            logits = self.model.forward(plan.batch, self.kv_tensors)
+            requests = [self._requests[seq.request_id] for seq in plan.sample_seqs]
+            tokens = sample(logits, [r.seq.params for r in requests], [r.generator for r in requests])
+            now = time.monotonic()
+            outputs.extend(self._advance(r, token, now) for r, token in zip(requests, tokens, strict=True))
+            new_tokens = len(tokens)
+            elapsed = time.perf_counter() - started
+            if plan.num_prefill_tokens:
+                rate = plan.batch.num_tokens / max(elapsed, 1e-6)
+                self._step_tokens_per_s = 0.7 * self._step_tokens_per_s + 0.3 * rate
+            self._steps += 1
+            self._record(new_tokens, plan.num_prefill_tokens)
+        self._refresh()
+        return outputs
+
+    def _advance(self, request: _Request, token: int, now: float) -> RequestOutput:
+        """Append a sampled token, decide whether the request ends, and make its delta."""
+        seq, params = request.seq, request.seq.params
+        self.scheduler.append_token(seq, token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        text, hit, reason = "", False, None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        else:
+            text, hit = request.stops.push(request.detokenizer.push([token]))
+            reason = "stop" if hit else None
+        at_limit = seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        if reason is None and at_limit:
+            reason = "length"
+        if reason is not None:
+            if not hit:  # the output ends here: release text held back for a possible stop string
+                tail, hit = request.stops.push(request.detokenizer.flush())
+                text += tail if hit else tail + request.stops.flush()
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.request_id]
+        return self._output(seq, text, [token], [now])
+
+    def _output(self, seq: Sequence, text: str, token_ids: list[int], times: list[float]) -> RequestOutput:
+        queue_time = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=token_ids,
+            token_times=times,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=0,
+            output_tokens=seq.num_output_tokens,
+            arrival_time=seq.arrival_time,
+            queue_time=queue_time,
+            first_token_time=seq.first_token_time,
+            error=seq.error,
+        )
+
+    def _record(self, output_tokens: int, prompt_tokens: int) -> None:
+        now = time.monotonic()
+        self._window.append((now, output_tokens, prompt_tokens))
+        self._window_sums[0] += output_tokens
+        self._window_sums[1] += prompt_tokens
+        while self._window and self._window[0][0] < now - RATE_WINDOW_S:
+            _, out, prompt = self._window.popleft()
+            self._window_sums[0] -= out
+            self._window_sums[1] -= prompt
+
+    def _refresh(self) -> None:
+        self._queued_prefill = self.scheduler.queued_prefill_by_tenant()
+        self._stats = self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        span = RATE_WINDOW_S
+        if self._window:
+            span = min(RATE_WINDOW_S, max(time.monotonic() - self._window[0][0], 1e-3))
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            block_size=self.kv.block_size,
+            tokens_per_s=self._window_sums[0] / span,
+            prompt_tokens_per_s=self._window_sums[1] / span,
+            steps=self._steps,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (safe to read from another thread)."""
+        return self._stats
+
+    def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default", extra_queued: int = 0) -> float:
+        """Rough seconds until a new request's first token: prefill work ahead of it / recent step rate."""
+        ahead = self.scheduler.policy.tokens_ahead(self._queued_prefill, tenant_id) + extra_queued
+        return (ahead + prompt_tokens) / self._step_tokens_per_s
+
+
+def generate_offline(
+    core: EngineCore, requests: Iterable[tuple[list[int], SamplingParams]]
+) -> list[RequestOutput]:
+    """Run all requests to completion together; one merged output per request, in the given order."""
+    results: dict[str, RequestOutput] = {}
+    order = []
+    for i, (prompt, params) in enumerate(requests):
+        request_id = f"offline-{i}"
+        core.add_request(request_id, prompt, params)
+        order.append(request_id)
+    while core.has_unfinished():
+        for out in core.step():
+            if out.request_id in results:
+                results[out.request_id].merge(out)
+            else:
+                results[out.request_id] = out
+    return [results[request_id] for request_id in order]

@@ -1,0 +1,118 @@
+"""KV block accounting through the engine: random arrivals, lengths and aborts; aborts free blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.client import AsyncEngine
+from engine.core import EngineCore
+from engine.types import SamplingParams
+from tests.engine.engine_helpers import assert_blocks_owned_once, engine_config, make_core, random_prompts
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def small_core(tiny_model_dir: Path) -> EngineCore:
+    """12 blocks of 4 tokens, 8-token chunks, 20 tokens a step, 4 running: preemption is common."""
+    limits = {"prefill_chunk_size": 8, "max_batched_tokens": 20, "max_num_seqs": 4}
+    return make_core(tiny_model_dir, num_kv_blocks=12, block_size=4, **limits)
+
+
+request_strategy = st.tuples(
+    st.integers(1, 52),  # prompt length; above 48 tokens it can never fit the pool
+    st.integers(1, 6),  # max_tokens
+    st.integers(0, 5),  # step at which it arrives
+    st.none() | st.integers(0, 10),  # step at which it is aborted, if ever
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(requests=st.lists(request_strategy, min_size=1, max_size=7))
+def test_blocks_are_never_owned_twice_and_all_return(small_core: EngineCore, requests) -> None:
+    core = small_core
+    ids = [f"p{next(_ids)}" for _ in requests]
+    prompts = random_prompts(tuple(r[0] for r in requests), seed=len(requests))
+    finished: dict[str, str] = {}
+    for step in range(200):
+        for request_id, prompt, (_, limit, arrival, abort_at) in zip(ids, prompts, requests, strict=True):
+            if arrival == step:
+                core.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=limit))
+            if abort_at == step and arrival <= step and core.abort(request_id):
+                assert request_id not in core.kv.block_tables
+        if step > 10 and not core.has_unfinished():
+            break
+        for out in core.step():
+            assert out.request_id not in finished, "a request ended twice"
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        assert_blocks_owned_once(core.kv)
+        running = {seq.request_id for seq in core.scheduler.running}
+        assert set(core.kv.block_tables) <= running
+    assert not core.has_unfinished(), "the engine did not drain"
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert set(finished) == set(ids)
+    for (prompt_len, *_), request_id in zip(requests, ids, strict=True):
+        if prompt_len > core.max_model_len:
+            assert finished[request_id] == "error"
+        else:
+            assert finished[request_id] in ("length", "stop", "abort")
+
+
+def test_aborted_request_frees_its_blocks_before_the_next_step(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir, block_size=4)
+    prompts = random_prompts((30, 10), seed=3)
+    core.add_request("keep", prompts[0], SamplingParams(temperature=0, max_tokens=50))
+    core.add_request("drop", prompts[1], SamplingParams(temperature=0, max_tokens=50))
+    core.step()
+    core.step()
+    held = len(core.kv.block_tables["drop"])
+    free_before = core.kv.num_free_blocks
+    assert core.abort("drop") and not core.abort("drop")
+    assert core.kv.num_free_blocks == free_before + held and "drop" not in core.kv.block_tables
+    outputs = {out.request_id: out for out in core.step()}
+    assert outputs["drop"].finished and outputs["drop"].finish_reason == "abort"
+    assert outputs["drop"].output_tokens == 2 and not outputs["keep"].finished
+
+
+async def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_cancelled_consumer_aborts_and_slow_consumer_gets_merged_deltas(tiny_model_dir: Path) -> None:
+    prompts = random_prompts((20, 12), seed=5)
+    async with AsyncEngine(engine_config(tiny_model_dir, block_size=4)) as engine:
+        total = engine.stats().kv_blocks_total
+        started = asyncio.Event()
+
+        async def consume_forever() -> None:
+            params = SamplingParams(temperature=0, max_tokens=2000)
+            async for _ in engine.generate("gone", prompts[0], params):
+                started.set()
+
+        task = asyncio.create_task(consume_forever())
+        await started.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its cleanup has asked for the abort
+        steps_at_abort = engine.stats().steps
+        await wait_for(lambda: engine.stats().kv_blocks_free == total)
+        assert engine.stats().steps <= steps_at_abort + 1  # at most the step that was in flight
+
+        stream = engine.generate("slow", prompts[1], SamplingParams(temperature=0, max_tokens=20))
+        first = await anext(stream)  # then the consumer reads nothing until the request has ended
+        await wait_for(lambda: engine.stats().running == engine.stats().waiting == 0)
+        rest = await anext(stream)
+        assert not first.finished and rest.finished and rest.finish_reason == "length"
+        assert len(first.token_ids) + len(rest.token_ids) == rest.output_tokens == 20
+        assert len(rest.token_ids) == len(rest.token_times) > 1  # several steps' deltas merged into one
+        assert engine.stats().kv_blocks_free == total
