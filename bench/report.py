@@ -9,15 +9,19 @@ from pathlib import Path
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell; the first column left-aligned, the others right-aligned."""
-    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
-    for row in cells:
+    """Columns padded to their widest cell: text columns left-aligned, the others right-aligned.
+
+    A column is text when every value in it is a string (numbers and ``None``, shown as ``-``, go right).
+    """
+    for row in rows:
         if len(row) != len(headers):
             raise ValueError(f"row has {len(row)} cells, expected {len(headers)}")
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    text = [bool(rows) and all(isinstance(row[i], str) for row in rows) for i in range(len(headers))]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
-        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        parts = [c.ljust(w) if left else c.rjust(w) for c, w, left in zip(row, widths, text, strict=True)]
         return "  ".join(parts).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

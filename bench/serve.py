@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.http_load import LoadRequest, poisson_arrivals, run_load, served_model
 from bench.latency import summarize
 from bench.report import format_table, progress, write_json
-from bench.workload import WorkloadSpec, make_workload, ordinary_token_ids
+from bench.workload import FULL, QUICK, WorkloadSpec, make_workload, ordinary_token_ids
 
 PEER = "transformers_serve"
 
@@ -82,12 +82,15 @@ async def _bench_system(name: str, base_url: str, load: list[LoadRequest], args)
     return {"base_url": base_url, "model": model, **summary}
 
 
-def comparison_index(sweep: list[dict], reference: str, attainment: float) -> int:
-    """Index of the lowest rate where ``reference`` misses its SLO for too many requests, else the last."""
+def comparison_point(sweep: list[dict], reference: str, attainment: float) -> tuple[dict, str]:
+    """The lowest rate at which ``reference`` meets its SLO for fewer than ``attainment`` of requests (the
+    last rate when it never does), and a note on what that means for the sweep."""
     for i, point in enumerate(sweep):
         if point["systems"][reference]["slo_attainment"] < attainment:
-            return i
-    return len(sweep) - 1
+            if i == 0:
+                return point, f"{reference} misses its SLO already at the lowest rate: sweep lower rates too"
+            return point, f"{reference} starts missing its SLO at {point['rate_rps']} req/s"
+    return sweep[-1], f"{reference} met its SLO at every rate: sweep higher rates to find where it misses"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -96,13 +99,8 @@ def run(args: argparse.Namespace) -> dict:
     keys = read_keys(args.keys, args.tenants)
     model_dir = bench_model_dir(args.model, "serve")
     tokenizer = load_tokenizer(model_dir)
-    low, high = (16, 128) if args.quick else (32, 512)
-    spec = WorkloadSpec(
-        num_requests=args.requests,
-        prompt_len=(low, high),
-        output_len=(8, 32) if args.quick else (32, 128),
-        seed=args.seed,
-    )
+    shape = QUICK if args.quick else FULL
+    spec = WorkloadSpec(args.requests, shape.prompt_len, shape.output_len, seed=args.seed)
     targets = {args.name: args.base_url}
     with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
         if args.compare_transformers:
@@ -116,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             sweep = _sweep(targets, tokenizer, spec, keys, args)
     reference = PEER if args.compare_transformers else args.name
-    chosen = sweep[comparison_index(sweep, reference, args.slo_attainment)]
+    chosen, note = comparison_point(sweep, reference, args.slo_attainment)
     result = {
         "benchmark": "serve",
         "model_dir": str(model_dir),
@@ -129,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": args.slo_attainment},
         "comparison_rate_rps": chosen["rate_rps"],
+        "comparison_note": note,
         "systems": chosen["systems"],
         "sweep": sweep,
     }
@@ -163,7 +162,7 @@ def render(result: dict, name: str) -> str:
                     point["rate_rps"],
                     system,
                     s["goodput_rps"],
-                    f"{100 * s['slo_attainment']:.0f}%",
+                    round(100 * s["slo_attainment"], 1),
                     s["output_tokens_per_s"],
                     s["ttft_ms"]["p50"],
                     s["ttft_ms"]["p99"],
@@ -178,7 +177,7 @@ def render(result: dict, name: str) -> str:
         "rate",
         "system",
         "goodput r/s",
-        "SLO met",
+        "SLO met %",
         "out tok/s",
         "TTFT p50",
         "TTFT p99",
@@ -194,10 +193,21 @@ def render(result: dict, name: str) -> str:
         format_table(headers, rows),
     ]
     rate = result["comparison_rate_rps"]
+    lines.append(result["comparison_note"])
     if "goodput_ratio" in result:
+        mine, peer = result["systems"][name], result["systems"][PEER]
         ratio = result["goodput_ratio"]
-        shown = "n/a (peer goodput 0)" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"{name} / transformers serve goodput at {rate} req/s: {shown} (target >= 5x)")
+        shown = (
+            f"{ratio:.2f}x"
+            if ratio is not None
+            else "unbounded (transformers serve met its SLO for no request)"
+        )
+        tokens = _ratio(mine, peer, "output_tokens_per_s")
+        lines.append(
+            f"at {rate} req/s: goodput {name} {mine['goodput_rps']} r/s vs transformers serve "
+            f"{peer['goodput_rps']} r/s: {shown} (target >= 5x); output tokens/s ratio "
+            + ("-" if tokens is None else f"{tokens:.2f}x")
+        )
     for system, s in result["systems"].items():
         if s["refused"]:
             lines.append(f"{system} refusals at {rate} req/s by status: {s['refused']}")
