@@ -20,22 +20,42 @@ _TENANT_FIELDS = ("weight", "ttft_target_s", "tpot_target_s")
 _QUOTA_FIELDS = tuple(f.name for f in fields(Quotas))
 
 TENANT_COLUMNS = (
-    tenants.c.id, tenants.c.name, tenants.c.weight, tenants.c.status, tenants.c.ttft_target_s,
-    tenants.c.tpot_target_s, tenants.c.created_at, quotas.c.cost_per_minute, quotas.c.max_concurrency,
-    quotas.c.monthly_budget, quotas.c.max_output_tokens,
+    tenants.c.id,
+    tenants.c.name,
+    tenants.c.weight,
+    tenants.c.status,
+    tenants.c.ttft_target_s,
+    tenants.c.tpot_target_s,
+    tenants.c.created_at,
+    quotas.c.cost_per_minute,
+    quotas.c.max_concurrency,
+    quotas.c.monthly_budget,
+    quotas.c.max_output_tokens,
 )
 
 
 def tenant_from_row(row: Any) -> Tenant:
     return Tenant(
-        id=row.id, name=row.name, weight=row.weight, status=row.status, ttft_target_s=row.ttft_target_s,
-        tpot_target_s=row.tpot_target_s, quotas=Quotas.from_row(row), created_at=row.created_at,
+        id=row.id,
+        name=row.name,
+        weight=row.weight,
+        status=row.status,
+        ttft_target_s=row.ttft_target_s,
+        tpot_target_s=row.tpot_target_s,
+        quotas=Quotas.from_row(row),
+        created_at=row.created_at,
     )
 
 
 def _key_from_row(row: Any) -> ApiKey:
-    return ApiKey(id=row.id, tenant_id=row.tenant_id, prefix=row.prefix, created_at=row.created_at,
-                  revoked_at=row.revoked_at, last_used_at=row.last_used_at)
+    return ApiKey(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        prefix=row.prefix,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        last_used_at=row.last_used_at,
+    )
 
 
 def _check_tenant_values(values: dict[str, Any]) -> None:
@@ -74,21 +94,30 @@ async def create_tenant(
 ) -> Tenant:
     """Create an active tenant with its quotas; :class:`Conflict` if the name exists."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name.isdigit():
-        raise InvalidValue(f"invalid tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-' "
-                           "(not only digits)")
+        raise InvalidValue(
+            f"invalid tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (not only digits)"
+        )
     _check_tenant_values({"weight": weight, "ttft_target_s": ttft_target_s, "tpot_target_s": tpot_target_s})
     quota = quota or Quotas()
     try:
         async with engine.begin() as conn:
-            tenant_id = (await conn.execute(
-                sa.insert(tenants).values(name=name, weight=weight, ttft_target_s=ttft_target_s,
-                                          tpot_target_s=tpot_target_s).returning(tenants.c.id)
-            )).scalar_one()
+            tenant_id = (
+                await conn.execute(
+                    sa.insert(tenants)
+                    .values(
+                        name=name, weight=weight, ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s
+                    )
+                    .returning(tenants.c.id)
+                )
+            ).scalar_one()
             await conn.execute(sa.insert(quotas).values(tenant_id=tenant_id, **_quota_values(quota)))
-            await conn.execute(sa.insert(quota_state).values(
-                tenant_id=tenant_id, bucket_level=quota.cost_per_minute or 0,
-                period_start=sa.func.date_trunc("month", sa.func.timezone("UTC", sa.func.now())),
-            ))
+            await conn.execute(
+                sa.insert(quota_state).values(
+                    tenant_id=tenant_id,
+                    bucket_level=quota.cost_per_minute or 0,
+                    period_start=sa.func.date_trunc("month", sa.func.timezone("UTC", sa.func.now())),
+                )
+            )
     except IntegrityError as exc:
         raise Conflict(f"a tenant named {name!r} already exists") from exc
     return await get_tenant(engine, tenant_id)
@@ -126,8 +155,11 @@ async def update_tenant(engine: AsyncEngine, ref: str | int, **changes: Any) -> 
         merged = Quotas.from_row(current) if current is not None else Quotas()
         Quotas(**{**_quota_values(merged), **quota_changes})  # validates
         tenant_changes = {k: v for k, v in changes.items() if k in _TENANT_FIELDS}
-        await conn.execute(sa.update(tenants).where(tenants.c.id == tenant_id)
-                           .values(updated_at=sa.func.now(), **tenant_changes))
+        await conn.execute(
+            sa.update(tenants)
+            .where(tenants.c.id == tenant_id)
+            .values(updated_at=sa.func.now(), **tenant_changes)
+        )
         if quota_changes:
             await conn.execute(
                 sa.update(quotas).where(quotas.c.tenant_id == tenant_id).values(**quota_changes)
@@ -141,8 +173,11 @@ async def set_tenant_status(engine: AsyncEngine, ref: str | int, status: str) ->
         raise InvalidValue(f"unknown status {status!r}")
     async with engine.begin() as conn:
         tenant_id = await _tenant_id(conn, ref)
-        await conn.execute(sa.update(tenants).where(tenants.c.id == tenant_id)
-                           .values(status=status, updated_at=sa.func.now()))
+        await conn.execute(
+            sa.update(tenants)
+            .where(tenants.c.id == tenant_id)
+            .values(status=status, updated_at=sa.func.now())
+        )
     return await get_tenant(engine, tenant_id)
 
 
@@ -151,31 +186,38 @@ async def create_key(engine: AsyncEngine, tenant_ref: str | int) -> tuple[ApiKey
     secret = new_secret()
     async with engine.begin() as conn:
         tenant_id = await _tenant_id(conn, tenant_ref)
-        row = (await conn.execute(
-            sa.insert(api_keys)
-            .values(tenant_id=tenant_id, prefix=secret_prefix(secret), key_hash=hash_secret(secret))
-            .returning(*api_keys.c)
-        )).one()
+        row = (
+            await conn.execute(
+                sa.insert(api_keys)
+                .values(tenant_id=tenant_id, prefix=secret_prefix(secret), key_hash=hash_secret(secret))
+                .returning(*api_keys.c)
+            )
+        ).one()
     return _key_from_row(row), secret
 
 
 async def list_keys(engine: AsyncEngine, tenant_ref: str | int) -> list[ApiKey]:
     async with engine.connect() as conn:
         tenant_id = await _tenant_id(conn, tenant_ref)
-        rows = (await conn.execute(
-            sa.select(api_keys).where(api_keys.c.tenant_id == tenant_id).order_by(api_keys.c.id)
-        )).all()
+        rows = (
+            await conn.execute(
+                sa.select(api_keys).where(api_keys.c.tenant_id == tenant_id).order_by(api_keys.c.id)
+            )
+        ).all()
     return [_key_from_row(row) for row in rows]
 
 
 async def revoke_key(engine: AsyncEngine, key_id: int) -> ApiKey:
     """Revoke a key (idempotent: an already revoked key keeps its first revocation time)."""
     async with engine.begin() as conn:
-        row = (await conn.execute(
-            sa.update(api_keys).where(api_keys.c.id == key_id)
-            .values(revoked_at=sa.func.coalesce(api_keys.c.revoked_at, datetime.now(UTC)))
-            .returning(*api_keys.c)
-        )).first()
+        row = (
+            await conn.execute(
+                sa.update(api_keys)
+                .where(api_keys.c.id == key_id)
+                .values(revoked_at=sa.func.coalesce(api_keys.c.revoked_at, datetime.now(UTC)))
+                .returning(*api_keys.c)
+            )
+        ).first()
     if row is None:
         raise NotFound(f"no key with id {key_id}")
     return _key_from_row(row)

@@ -44,8 +44,9 @@ def _number(command: str, option: str, raw: str, kind: type) -> float | int | No
     try:
         value = kind(raw)
     except ValueError:
-        raise _fail(command, f"{option}: expected {'a whole number' if kind is int else 'a number'}, "
-                             f"got {raw!r}") from None
+        raise _fail(
+            command, f"{option}: expected {'a whole number' if kind is int else 'a number'}, got {raw!r}"
+        ) from None
     if not math.isfinite(value) or value < 0:
         raise _fail(command, f"{option}: must be a finite number >= 0, got {raw!r}")
     return value
@@ -103,18 +104,43 @@ def _cell(value: Any) -> str:
 
 
 def _tenant_rows(tenants: Sequence[Tenant]) -> str:
-    headers = ("ID", "NAME", "STATUS", "WEIGHT", "COST/MIN", "CONCURRENCY", "MONTHLY BUDGET", "MAX OUTPUT",
-               "TTFT S", "TPOT S")
-    return _table(headers, [
-        (t.id, t.name, t.status, t.weight, t.quotas.cost_per_minute, t.quotas.max_concurrency,
-         t.quotas.monthly_budget, t.quotas.max_output_tokens, t.ttft_target_s, t.tpot_target_s)
-        for t in tenants
-    ])
+    headers = (
+        "ID",
+        "NAME",
+        "STATUS",
+        "WEIGHT",
+        "COST/MIN",
+        "CONCURRENCY",
+        "MONTHLY BUDGET",
+        "MAX OUTPUT",
+        "TTFT S",
+        "TPOT S",
+    )
+    return _table(
+        headers,
+        [
+            (
+                t.id,
+                t.name,
+                t.status,
+                t.weight,
+                t.quotas.cost_per_minute,
+                t.quotas.max_concurrency,
+                t.quotas.monthly_budget,
+                t.quotas.max_output_tokens,
+                t.ttft_target_s,
+                t.tpot_target_s,
+            )
+            for t in tenants
+        ],
+    )
 
 
 def _key_rows(keys: Sequence[ApiKey]) -> str:
-    return _table(("KEY ID", "PREFIX", "CREATED", "REVOKED", "LAST USED"),
-                  [(k.id, k.prefix + "...", k.created_at, k.revoked_at, k.last_used_at) for k in keys])
+    return _table(
+        ("KEY ID", "PREFIX", "CREATED", "REVOKED", "LAST USED"),
+        [(k.id, k.prefix + "...", k.created_at, k.revoked_at, k.last_used_at) for k in keys],
+    )
 
 
 # --- weir db ---
@@ -211,8 +237,10 @@ def _tenant_show(args: argparse.Namespace) -> int:
 def _tenant_update(args: argparse.Namespace) -> int:
     from tenants.admin import update_tenant
 
-    changes = {**_options("tenant update", args, _QUOTA_OPTIONS), **_options("tenant update", args,
-                                                                            _TENANT_OPTIONS)}
+    changes = {
+        **_options("tenant update", args, _QUOTA_OPTIONS),
+        **_options("tenant update", args, _TENANT_OPTIONS),
+    }
     if not changes:
         raise _fail("tenant update", "nothing to change (give at least one option)")
 
@@ -248,8 +276,10 @@ def _key_create(args: argparse.Namespace) -> int:
     async def body(engine: AsyncEngine) -> int:
         key, secret = await create_key(engine, args.tenant)
         print(secret)
-        print(f"key id {key.id} for tenant {args.tenant}: store the key now, it is not shown again",
-              file=sys.stderr)
+        print(
+            f"key id {key.id} for tenant {args.tenant}: store the key now, it is not shown again",
+            file=sys.stderr,
+        )
         return 0
 
     return _run("key create", body)
@@ -285,8 +315,11 @@ def _key_revoke(args: argparse.Namespace) -> int:
 
 def _moment(command: str, option: str, raw: str) -> datetime:
     try:
-        parsed = datetime.fromisoformat(raw) if "T" in raw or " " in raw else datetime.combine(
-            date.fromisoformat(raw), datetime.min.time())
+        parsed = (
+            datetime.fromisoformat(raw)
+            if "T" in raw or " " in raw
+            else datetime.combine(date.fromisoformat(raw), datetime.min.time())
+        )
     except ValueError:
         raise _fail(command, f"{option}: expected a date like 2026-01-31, got {raw!r}") from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
@@ -308,15 +341,38 @@ def _usage_show(args: argparse.Namespace) -> int:
         latency = await latency_percentiles(engine, since, until, tenant_id)
         shed = await shed_counts(engine, since, until, tenant_id)
         print(f"usage since {_cell(since)} UTC")
-        print(_table(("DAY", "TENANT", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "OUTPUT", "COST"), [
-            (u.day, u.tenant_name, u.model, u.requests, u.errors, u.prompt_tokens, u.cached_tokens,
-             u.output_tokens, u.cost) for u in usage
-        ]) if usage else "no usage")
+        print(
+            _table(
+                ("DAY", "TENANT", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "CACHED", "OUTPUT", "COST"),
+                [
+                    (
+                        u.day,
+                        u.tenant_name,
+                        u.model,
+                        u.requests,
+                        u.errors,
+                        u.prompt_tokens,
+                        u.cached_tokens,
+                        u.output_tokens,
+                        u.cost,
+                    )
+                    for u in usage
+                ],
+            )
+            if usage
+            else "no usage"
+        )
         if latency:
             print()
-            print(_table(("TENANT", "REQUESTS", "TTFT P50", "TTFT P99", "TPOT P50", "TPOT P99"), [
-                (s.tenant_name, s.requests, s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99) for s in latency
-            ]))
+            print(
+                _table(
+                    ("TENANT", "REQUESTS", "TTFT P50", "TTFT P99", "TPOT P50", "TPOT P99"),
+                    [
+                        (s.tenant_name, s.requests, s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99)
+                        for s in latency
+                    ],
+                )
+            )
         if shed:
             print()
             rows = [(s.tenant_name, s.reason, s.count) for s in shed]

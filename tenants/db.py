@@ -110,8 +110,9 @@ class EmbeddedPostgres:
         try:
             entry = pwd.getpwnam(PG_SYSTEM_USER)
         except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True, capture_output=True
+            )
             entry = pwd.getpwnam(PG_SYSTEM_USER)
         for parent in path.parents:
             parent.chmod(parent.stat().st_mode | 0o011)  # traversable by the server user
@@ -123,8 +124,17 @@ class EmbeddedPostgres:
         self.data.mkdir(parents=True, exist_ok=True)
         self.data.chmod(0o700)
         self._prepare_ownership(self.data)
-        self._pg("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
-                 "--no-instructions", "--no-sync")
+        self._pg(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--no-instructions",
+            "--no-sync",
+        )
 
     def running_url(self) -> str | None:
         """The server's URL if it is running, else ``None``."""
@@ -151,8 +161,20 @@ class EmbeddedPostgres:
                 socket_dir.mkdir(mode=0o700, exist_ok=True)
                 self._prepare_ownership(socket_dir)
             options = f"-c listen_addresses='' -k {socket_dir} -c max_connections=200"
-            self._pg("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-l", str(self.data / "log"),
-                     "-o", options, "start", timeout=90)
+            self._pg(
+                "pg_ctl",
+                "-D",
+                str(self.data),
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                str(self.data / "log"),
+                "-o",
+                options,
+                "start",
+                timeout=90,
+            )
             url = self.running_url()
             if url is None:
                 raise DatabaseError(f"embedded PostgreSQL did not become ready (log: {self.data / 'log'})")

@@ -87,7 +87,10 @@ async def usage_by_day(
     day = sa.cast(sa.func.timezone("UTC", usage_events.c.finished_at), sa.Date).label("day")
     query = (
         sa.select(
-            usage_events.c.tenant_id, _tenant_name(usage_events.c.tenant_id), day, usage_events.c.model,
+            usage_events.c.tenant_id,
+            _tenant_name(usage_events.c.tenant_id),
+            day,
+            usage_events.c.model,
             sa.func.count().label("requests"),
             sa.func.count().filter(usage_events.c.status != "ok").label("errors"),
             sa.func.sum(usage_events.c.prompt_tokens).label("prompt_tokens"),
@@ -115,8 +118,12 @@ async def latency_percentiles(
                 .label(f"{metric}_p{q}")
             )
     query = (
-        sa.select(usage_events.c.tenant_id, _tenant_name(usage_events.c.tenant_id),
-                  sa.func.count().label("requests"), *columns)
+        sa.select(
+            usage_events.c.tenant_id,
+            _tenant_name(usage_events.c.tenant_id),
+            sa.func.count().label("requests"),
+            *columns,
+        )
         .where(_window(usage_events.c.finished_at, since, until))
         .group_by(usage_events.c.tenant_id)
         .order_by("tenant_name")
@@ -129,8 +136,12 @@ async def shed_counts(
 ) -> list[ShedCount]:
     """Refused requests per tenant and reason."""
     query = (
-        sa.select(shed_events.c.tenant_id, _tenant_name(shed_events.c.tenant_id), shed_events.c.reason,
-                  sa.func.count().label("count"))
+        sa.select(
+            shed_events.c.tenant_id,
+            _tenant_name(shed_events.c.tenant_id),
+            shed_events.c.reason,
+            sa.func.count().label("count"),
+        )
         .where(_window(shed_events.c.at, since, until))
         .group_by(shed_events.c.tenant_id, shed_events.c.reason)
         .order_by("tenant_name", shed_events.c.reason)

@@ -32,7 +32,7 @@ from typing import Literal
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from tenants.records import NotFound
 
@@ -40,15 +40,33 @@ log = logging.getLogger(__name__)
 
 RefusalReason = Literal["rate", "concurrency", "budget"]
 
-_ACQUIRE = sa.text(
+ACQUIRE_SQL = sa.text(
     "SELECT * FROM weir_quota_acquire(:tenant, :holder, :cost, :need_cost, :need_slots, :extra_cost, "
     ":extra_slots, :consumed, :lease_s)"
 )
-_RETURN = sa.text(
+RETURN_SQL = sa.text(
     "SELECT weir_quota_return(:holder, CAST(:tenants AS bigint[]), CAST(:cost AS double precision[]), "
     "CAST(:slots AS integer[]), CAST(:consumed AS double precision[]), :lease_s, :close)"
 )
 _EPSILON = 1e-9
+_HORIZON = 4  # sync intervals of demand a slice is sized for
+_TOP_UP_AT = 0.5  # a background acquire starts when the free slice falls below this share of its size
+
+
+def quota_engine(engine: AsyncEngine, pool_size: int = 8) -> AsyncEngine:
+    """A small engine of its own for quota calls on ``engine``'s database: each call is one autocommit
+    statement (no BEGIN/COMMIT, no ping, no reset), with a fixed pool (opening a connection costs more than
+    waiting for one), and commits that skip the wait for the WAL flush, since quota state is soft (module
+    docstring)."""
+    return create_async_engine(
+        engine.url,
+        isolation_level="AUTOCOMMIT",
+        pool_pre_ping=False,
+        pool_reset_on_return=None,
+        pool_size=pool_size,
+        max_overflow=0,
+        connect_args={"server_settings": {"synchronous_commit": "off"}},
+    )
 
 
 def _check_cost(what: str, value: float) -> None:
@@ -85,23 +103,40 @@ class Refusal:
 
 @dataclass
 class _Slice:
-    """What this process holds for one tenant."""
+    """What this process holds for one tenant, and its recent demand."""
 
     cost: float = 0.0  # free cost units
     slots: int = 0  # free concurrency slots
     consumed: float = 0.0  # settled cost not yet reported to the database
-    reserved_cost: float = 0.0  # worst-case cost reserved since the last sync (the demand estimate)
-    reserved_count: int = 0
+    in_flight: int = 0  # unsettled reservations
+    reserved_cost: float = 0.0  # worst-case cost reserved since the last sync
+    peak_in_flight: int = 0  # most reservations out at once since the last sync
+    demand_cost: float = 0.0  # smoothed worst-case cost reserved per sync interval
+    peak_slots: int = 0  # peak_in_flight of the last interval
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dry_until: float = 0.0  # no background top-up before this (monotonic), after one got nothing
 
     def take(self, cost: float) -> bool:
         if self.cost + _EPSILON < cost or self.slots < 1:
             return False
         self.cost -= cost
         self.slots -= 1
+        self.in_flight += 1
         self.reserved_cost += cost
-        self.reserved_count += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return True
+
+    def keep(self) -> tuple[float, int]:
+        """What to hold free: ``_HORIZON`` intervals of recent cost demand; slots up to the recent peak."""
+        cost = max(self.demand_cost, self.reserved_cost) * _HORIZON
+        slots = max(self.peak_slots, self.peak_in_flight) - self.in_flight
+        return cost, max(0, slots)
+
+    def end_interval(self) -> None:
+        self.demand_cost = 0.5 * self.demand_cost + 0.5 * self.reserved_cost
+        self.peak_slots = self.peak_in_flight
+        self.reserved_cost = 0.0
+        self.peak_in_flight = self.in_flight
 
 
 class QuotaManager:
@@ -117,16 +152,18 @@ class QuotaManager:
     ) -> None:
         if lease_s <= 0 or sync_interval_s <= 0 or sync_interval_s * 4 > lease_s:
             raise ValueError("need lease_s > 0 and 0 < sync_interval_s <= lease_s / 4")
-        self._engine = engine
+        self._engine = quota_engine(engine)
         self.lease_s = lease_s
         self.sync_interval_s = sync_interval_s
         self.holder = holder or uuid.uuid4().hex
         self._slices: dict[int, _Slice] = {}
         self._ids = itertools.count(1)
         self._sync_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self._sync_lock = asyncio.Lock()
         self._last_renewal = time.monotonic()
         self._closed = False
+        self.round_trips = 0  # database round trips made (acquires and syncs), for monitoring
 
     async def reserve(self, tenant_id: int, worst_case_cost: float) -> Reservation | Refusal:
         """Reserve ``worst_case_cost`` and one concurrency slot for ``tenant_id``, or say which limit refuses.
@@ -142,6 +179,7 @@ class QuotaManager:
         if piece is None:
             piece = self._slices[tenant_id] = _Slice()
         if piece.take(worst_case_cost):
+            self._maybe_top_up(tenant_id, piece)
             return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
         async with piece.lock:
             while not piece.take(worst_case_cost):
@@ -150,19 +188,46 @@ class QuotaManager:
                     return refusal
         return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
 
+    def _maybe_top_up(self, tenant_id: int, piece: _Slice) -> None:
+        """Refill a slice in the background before it runs dry: reservations rarely wait on the database."""
+        keep_cost, _ = piece.keep()
+        if piece.cost >= _TOP_UP_AT * keep_cost or piece.lock.locked() or time.monotonic() < piece.dry_until:
+            return
+        task = asyncio.get_running_loop().create_task(self._top_up(tenant_id, piece))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _top_up(self, tenant_id: int, piece: _Slice) -> None:
+        async with piece.lock:
+            before = piece.cost
+            try:
+                await self._acquire(tenant_id, piece, 0.0)
+            except Exception as exc:  # the next reservation that needs the database will say so
+                log.debug("quota top-up failed: %s", exc)
+            if piece.cost <= before + _EPSILON:
+                piece.dry_until = time.monotonic() + self.sync_interval_s
+
     async def _acquire(self, tenant_id: int, piece: _Slice, cost: float) -> Refusal | None:
+        """One round trip: take what ``cost`` still needs (all or nothing) plus what the slice should hold."""
         need_cost = max(0.0, cost - piece.cost)
-        need_slots = 0 if piece.slots >= 1 else 1
+        need_slots = 0 if piece.slots >= 1 or cost == 0 else 1
+        keep_cost, keep_slots = piece.keep()
         consumed, piece.consumed = piece.consumed, 0.0
         params = {
-            "tenant": tenant_id, "holder": self.holder, "cost": cost, "need_cost": need_cost,
-            "need_slots": need_slots, "extra_cost": max(4 * cost, piece.reserved_cost),
-            "extra_slots": max(4, piece.reserved_count),
-            "consumed": consumed, "lease_s": self.lease_s,
+            "tenant": tenant_id,
+            "holder": self.holder,
+            "cost": cost,
+            "need_cost": need_cost,
+            "need_slots": need_slots,
+            "extra_cost": max(4 * cost, keep_cost - max(0.0, piece.cost - cost)),
+            "extra_slots": max(4 if cost else 0, keep_slots - piece.slots),
+            "consumed": consumed,
+            "lease_s": self.lease_s,
         }
+        self.round_trips += 1
         try:
-            async with self._engine.begin() as conn:
-                row = (await conn.execute(_ACQUIRE, params)).one()
+            async with self._engine.connect() as conn:
+                row = (await conn.execute(ACQUIRE_SQL, params)).one()
         except DBAPIError as exc:
             piece.consumed += consumed
             if "unknown tenant" in str(exc.orig):
@@ -193,6 +258,7 @@ class QuotaManager:
         piece.cost += reservation.cost - actual_cost
         piece.consumed += actual_cost
         piece.slots += 1
+        piece.in_flight -= 1
         return True
 
     def release(self, reservation: Reservation) -> bool:
@@ -223,11 +289,10 @@ class QuotaManager:
             batch: list[tuple[int, float, int, float]] = []
             for tenant_id in sorted(self._slices):
                 piece = self._slices[tenant_id]
-                keep_cost = 0.0 if close else piece.reserved_cost
-                keep_slots = 0 if close else piece.reserved_count
+                keep_cost, keep_slots = (0.0, 0) if close else piece.keep()
                 give_cost = max(0.0, piece.cost - keep_cost) if not piece.lock.locked() else 0.0
                 give_slots = max(0, piece.slots - keep_slots) if not piece.lock.locked() else 0
-                piece.reserved_cost, piece.reserved_count = 0.0, 0
+                piece.end_interval()
                 if give_cost > _EPSILON or give_slots or piece.consumed or renew:
                     batch.append((tenant_id, give_cost, give_slots, piece.consumed))
                     piece.cost -= give_cost
@@ -236,13 +301,18 @@ class QuotaManager:
             if not batch:
                 return
             params = {
-                "holder": self.holder, "tenants": [b[0] for b in batch], "cost": [b[1] for b in batch],
-                "slots": [b[2] for b in batch], "consumed": [b[3] for b in batch], "lease_s": self.lease_s,
+                "holder": self.holder,
+                "tenants": [b[0] for b in batch],
+                "cost": [b[1] for b in batch],
+                "slots": [b[2] for b in batch],
+                "consumed": [b[3] for b in batch],
+                "lease_s": self.lease_s,
                 "close": close,
             }
+            self.round_trips += 1
             try:
-                async with self._engine.begin() as conn:
-                    await conn.execute(_RETURN, params)
+                async with self._engine.connect() as conn:
+                    await conn.execute(RETURN_SQL, params)
             except BaseException:
                 for tenant_id, give_cost, give_slots, consumed in batch:
                     piece = self._slices[tenant_id]
@@ -257,8 +327,12 @@ class QuotaManager:
         """Stop syncing and give back every free slice; leases with reservations still out stay until
         settled by nobody, then expire and are reclaimed."""
         self._closed = True
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
-        await self.sync(close=True)
+        for task in [self._sync_task, *self._background]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        try:
+            await self.sync(close=True)
+        finally:
+            await self._engine.dispose()

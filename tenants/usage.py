@@ -252,8 +252,9 @@ class UsageWriter:
             if not self._buffer:
                 self._idle.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.retry_interval_s if self._db_down
-                                       else self.flush_interval_s)
+                await asyncio.wait_for(
+                    self._wake.wait(), self.retry_interval_s if self._db_down else self.flush_interval_s
+                )
             self._wake.clear()
             if self._db_down:
                 self._spill_events(self._take(len(self._buffer)))

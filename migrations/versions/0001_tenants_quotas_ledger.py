@@ -246,8 +246,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP FUNCTION weir_quota_return(text, bigint[], double precision[], integer[], "
-               "double precision[], double precision, boolean)")
-    op.execute("DROP FUNCTION weir_quota_acquire(bigint, text, double precision, double precision, integer, "
-               "double precision, integer, double precision, double precision)")
+    op.execute(
+        "DROP FUNCTION weir_quota_return(text, bigint[], double precision[], integer[], "
+        "double precision[], double precision, boolean)"
+    )
+    op.execute(
+        "DROP FUNCTION weir_quota_acquire(bigint, text, double precision, double precision, integer, "
+        "double precision, integer, double precision, double precision)"
+    )
     op.execute("DROP TABLE shed_events, usage_events, quota_leases, quota_state, api_keys, quotas, tenants")

@@ -1,7 +1,7 @@
 """A separate OS process that reserves quota (used by test_quotas.py).
 
-    quota_worker.py URL burst TENANT_ID COUNT COST   -> prints the number granted
-    quota_worker.py URL hold TENANT_ID COUNT LEASE_S -> reserves COUNT, prints "holding", waits to be killed
+quota_worker.py URL burst TENANT_ID COUNT COST   -> prints the number granted
+quota_worker.py URL hold TENANT_ID COUNT LEASE_S -> reserves COUNT, prints "holding", waits to be killed
 """
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ async def test_database_holds_no_secret(db_engine):
     tenant = await create_tenant(db_engine, "acme", quota=Quotas(cost_per_minute=1000))
     secrets = [(await create_key(db_engine, tenant.name))[1] for _ in range(3)]
     async with db_engine.connect() as conn:
-        columns = (await conn.execute(sa.text(
-            "SELECT table_name, column_name FROM information_schema.columns "
-            "WHERE table_schema = 'public' AND data_type IN ('text', 'character varying', 'bytea')"
-        ))).all()
+        columns = (
+            await conn.execute(
+                sa.text(
+                    "SELECT table_name, column_name FROM information_schema.columns "
+                    "WHERE table_schema = 'public' AND data_type IN ('text', 'character varying', 'bytea')"
+                )
+            )
+        ).all()
         assert ("api_keys", "prefix") in columns
         for table, column in columns:
             values = (await conn.execute(sa.text(f'SELECT "{column}"::text FROM "{table}"'))).scalars().all()

@@ -13,10 +13,22 @@ DAY = datetime(2026, 3, 10, 12, tzinfo=UTC)
 
 def _event(n: int, tenant_id: int, model: str, at: datetime, status: str = "ok") -> UsageEvent:
     return UsageEvent(
-        request_id=f"req-{tenant_id}-{n}", tenant_id=tenant_id, key_id=None, model=model,
-        prompt_tokens=10 * n, cached_tokens=n, output_tokens=n + 1, cost=float(n), status=status,
-        finish_reason="stop" if status == "ok" else None, queue_s=0.0, ttft_s=n / 100, tpot_s=n / 1000,
-        e2e_s=1.0, started_at=at - timedelta(seconds=1), finished_at=at,
+        request_id=f"req-{tenant_id}-{n}",
+        tenant_id=tenant_id,
+        key_id=None,
+        model=model,
+        prompt_tokens=10 * n,
+        cached_tokens=n,
+        output_tokens=n + 1,
+        cost=float(n),
+        status=status,
+        finish_reason="stop" if status == "ok" else None,
+        queue_s=0.0,
+        ttft_s=n / 100,
+        tpot_s=n / 1000,
+        e2e_s=1.0,
+        started_at=at - timedelta(seconds=1),
+        finished_at=at,
     )
 
 

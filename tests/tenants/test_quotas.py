@@ -20,9 +20,12 @@ WORKER = Path(__file__).with_name("quota_worker.py")
 
 async def _state(engine, tenant_id: int):
     async with engine.connect() as conn:
-        return (await conn.execute(sa.text(
-            "SELECT bucket_level, in_flight, period_spent FROM quota_state WHERE tenant_id = :t"
-        ), {"t": tenant_id})).one()
+        return (
+            await conn.execute(
+                sa.text("SELECT bucket_level, in_flight, period_spent FROM quota_state WHERE tenant_id = :t"),
+                {"t": tenant_id},
+            )
+        ).one()
 
 
 async def test_concurrent_tasks_never_exceed_concurrency_or_rate(db_engine):
@@ -41,8 +44,9 @@ async def test_concurrent_tasks_never_exceed_concurrency_or_rate(db_engine):
 
 
 async def test_settle_returns_unused_and_release_returns_all(db_engine):
-    tenant = await create_tenant(db_engine, "acme", quota=Quotas(cost_per_minute=600, max_concurrency=5,
-                                                                 monthly_budget=10_000))
+    tenant = await create_tenant(
+        db_engine, "acme", quota=Quotas(cost_per_minute=600, max_concurrency=5, monthly_budget=10_000)
+    )
     manager = QuotaManager(db_engine)
     first = await manager.reserve(tenant.id, 100.0)
     second = await manager.reserve(tenant.id, 50.0)
@@ -87,8 +91,13 @@ async def test_rate_refusal_says_when_to_retry(db_engine):
 
 def _spawn(database_url: str, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, str(WORKER), database_url, *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), database_url, *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def test_two_processes_never_exceed_the_allowance(db_engine, database_url):

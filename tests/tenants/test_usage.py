@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tenants.db import EmbeddedPostgres, create_engine, upgrade_to_head
+from tenants.db import create_engine, upgrade_to_head
 from tenants.usage import UsageEvent, UsageWriter
+from tests.fixtures.database import embedded_test_server
 
 ROOT = Path(__file__).resolve().parents[2]
 START = datetime(2026, 5, 1, tzinfo=UTC)
@@ -25,10 +26,22 @@ START = datetime(2026, 5, 1, tzinfo=UTC)
 def make_event(n: int, tenant_id: int = 1) -> UsageEvent:
     finished = START + timedelta(seconds=n)
     return UsageEvent(
-        request_id=f"req-{n:06d}", tenant_id=tenant_id, key_id=7, model="smol", prompt_tokens=n % 50,
-        cached_tokens=0, output_tokens=n % 7, cost=float(n % 50 + 2 * (n % 7)), status="ok",
-        finish_reason="stop", queue_s=0.001, ttft_s=0.05, tpot_s=0.01, e2e_s=0.2,
-        started_at=finished - timedelta(seconds=0.2), finished_at=finished,
+        request_id=f"req-{n:06d}",
+        tenant_id=tenant_id,
+        key_id=7,
+        model="smol",
+        prompt_tokens=n % 50,
+        cached_tokens=0,
+        output_tokens=n % 7,
+        cost=float(n % 50 + 2 * (n % 7)),
+        status="ok",
+        finish_reason="stop",
+        queue_s=0.001,
+        ttft_s=0.05,
+        tpot_s=0.01,
+        e2e_s=0.2,
+        started_at=finished - timedelta(seconds=0.2),
+        finished_at=finished,
     )
 
 
@@ -50,20 +63,19 @@ async def _value(result: bool | Awaitable[bool]) -> bool:
 
 
 @pytest.fixture
-def own_server(tmp_path: Path):
+def own_server():
     """A PostgreSQL of this test's own, so that stopping it disturbs nobody else."""
-    server = EmbeddedPostgres(tmp_path / "pg")
-    url = server.start()
-    upgrade_to_head(url)
-    yield server, url
-    server.stop()
+    with embedded_test_server() as (server, url):
+        upgrade_to_head(url)
+        yield server, url
 
 
 async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_path):
     server, url = own_server
     engine = create_engine(url)
-    writer = UsageWriter(engine, spill_dir=tmp_path / "spill", batch_size=20, flush_interval_s=0.01,
-                         retry_interval_s=0.05)
+    writer = UsageWriter(
+        engine, spill_dir=tmp_path / "spill", batch_size=20, flush_interval_s=0.01, retry_interval_s=0.05
+    )
     for n in range(100):
         writer.submit(make_event(n))
     await writer.flush()
@@ -89,6 +101,7 @@ async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_pa
 
     async def all_written() -> bool:
         return len(await _ids(engine)) >= 500 and writer.database_reachable
+
     await _wait_for(all_written, "replay after the restart")
     await writer.close()
     ids = await _ids(engine)
@@ -104,7 +117,10 @@ async def test_spilled_events_of_a_killed_writer_are_replayed_once(db_engine, da
     script = Path(__file__).with_name("usage_worker.py")
     worker = subprocess.Popen(
         [sys.executable, str(script), unreachable, str(spill), "0", "300"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = worker.stdout.readline().split()
@@ -121,6 +137,7 @@ async def test_spilled_events_of_a_killed_writer_are_replayed_once(db_engine, da
 
     async def replayed() -> bool:
         return len(await _ids(db_engine)) >= 310
+
     await _wait_for(replayed, "the spill file to be replayed")
     await writer.close()
     assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in range(310)]

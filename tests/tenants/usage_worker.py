@@ -1,7 +1,7 @@
 """A separate OS process that submits usage events (used by test_usage.py).
 
-    usage_worker.py URL SPILL_DIR FIRST COUNT -> submits events FIRST..FIRST+COUNT-1, flushes, prints
-    "flushed" with the number of events still only in memory, then waits to be killed.
+usage_worker.py URL SPILL_DIR FIRST COUNT -> submits events FIRST..FIRST+COUNT-1, flushes, prints
+"flushed" with the number of events still only in memory, then waits to be killed.
 """
 
 from __future__ import annotations
