@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -53,50 +56,57 @@ def export_default_tokenizer(dest: Path) -> None:
 
 
 def import_default_model(state_dir: Path, progress: bool = True) -> Path:
-    """Dequantize the default GGUF into the state directory once; return the model directory."""
+    """Dequantize the default GGUF into the state directory once (progress bars on stderr); return its dir."""
     target = default_model_dir(state_dir)
     if is_model_dir(target):
         return target
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=3, desc=f"importing {DEFAULT_MODEL_NAME}", unit="step", disable=not progress)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{DEFAULT_MODEL_NAME}.") as tmp:
+    with (
+        tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{DEFAULT_MODEL_NAME}.") as tmp,
+        _progress_output(progress),
+    ):
         staging = Path(tmp) / "model"
-        verbosity = hf_logging.get_verbosity()
-        if not progress:
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-        try:
-            steps.set_postfix_str("dequantizing GGUF")
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            )
-            steps.update()
-            steps.set_postfix_str("writing safetensors")
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(staging, safe_serialization=True)
-            steps.update()
-            steps.set_postfix_str("writing tokenizer")
-            export_default_tokenizer(staging)
-            steps.update()
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            if not progress:
-                hf_logging.enable_progress_bar()
-            steps.close()
+        if progress:
+            print(f"importing {DEFAULT_MODEL_NAME} from {gguf} (once)", file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # the weights are plain fp32 now: forget the GGUF quantizer so save_pretrained accepts the model
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging, safe_serialization=True)
+        export_default_tokenizer(staging)
         if is_model_dir(target):  # another process finished first
             return target
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
+    if progress:
+        print(f"imported {DEFAULT_MODEL_NAME} into {target}", file=sys.stderr)
     return target
+
+
+@contextmanager
+def _progress_output(show: bool) -> Iterator[None]:
+    """Let transformers' progress bars (per dequantized tensor, per written shard) show, or silence them."""
+    if show:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with open(os.devnull, "w") as devnull, redirect_stderr(devnull):  # the GGUF reader's own tqdm
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def is_model_dir(path: Path) -> bool:

@@ -55,7 +55,9 @@ class AttentionPlan:
     scale: float
 
     @classmethod
-    def build(cls, batch: StepBatch, block_size: int, head_dim: int, device: torch.device) -> AttentionPlan:
+    def build(
+        cls, batch: StepBatch, block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype
+    ) -> AttentionPlan:
         """Plan attention for ``batch``; raise ValueError when its per-sequence lists disagree."""
         count = len(batch.query_lens)
         if len(batch.context_lens) != count or len(batch.block_tables) != count:
@@ -74,7 +76,7 @@ class AttentionPlan:
                 )
         if any(q_len != 1 for q_len in batch.query_lens[: batch.num_decodes]):
             raise ValueError("the first num_decodes sequences must have query length 1")
-        decodes = _plan_decodes(batch, block_size, device)
+        decodes = _plan_decodes(batch, block_size, device, dtype)
         prefills = []
         start = batch.num_decodes
         for seq in range(batch.num_decodes, count):
@@ -83,14 +85,16 @@ class AttentionPlan:
         return cls(decodes=decodes, prefills=prefills, scale=head_dim**-0.5)
 
 
-def _plan_decodes(batch: StepBatch, block_size: int, device: torch.device) -> list[DecodeGroup]:
+def _plan_decodes(
+    batch: StepBatch, block_size: int, device: torch.device, dtype: torch.dtype
+) -> list[DecodeGroup]:
     blocks_needed = [-(-ctx // block_size) for ctx in batch.context_lens[: batch.num_decodes]]
     order = sorted(range(batch.num_decodes), key=blocks_needed.__getitem__)
     groups = []
     start = 0
     for end in _group_ends([blocks_needed[i] for i in order], block_size):
         members = order[start:end]
-        groups.append(_decode_group(batch, members, blocks_needed[members[-1]], block_size, device))
+        groups.append(_decode_group(batch, members, blocks_needed[members[-1]], block_size, device, dtype))
         start = end
     return groups
 
@@ -122,7 +126,12 @@ def _group_ends(sorted_blocks: list[int], block_size: int) -> list[int]:
 
 
 def _decode_group(
-    batch: StepBatch, members: list[int], blocks_per_seq: int, block_size: int, device: torch.device
+    batch: StepBatch,
+    members: list[int],
+    blocks_per_seq: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> DecodeGroup:
     padded = [batch.block_tables[i][:blocks_per_seq] for i in members]
     padded = [table + [0] * (blocks_per_seq - len(table)) for table in padded]
@@ -132,7 +141,9 @@ def _decode_group(
     if any(ctx != padded_len for ctx in context_lens):
         lens = torch.tensor(context_lens, device=device).unsqueeze(1)
         valid = torch.arange(padded_len, device=device).unsqueeze(0) < lens
-        mask = torch.zeros(len(members), padded_len, device=device).masked_fill_(~valid, float("-inf"))
+        mask = torch.zeros(len(members), padded_len, device=device, dtype=dtype).masked_fill_(
+            ~valid, float("-inf")
+        )
         mask = mask.view(len(members), 1, 1, padded_len)
     return DecodeGroup(
         rows=torch.tensor(members, dtype=torch.int64, device=device),

@@ -54,8 +54,10 @@ class PagedLlama:
     def forward(self, batch: StepBatch, kv: KVCacheTensors) -> torch.Tensor:
         """Run one step: write its K/V into ``kv`` and return float32 logits [len(logits_indices), vocab]."""
         cfg = self.config
-        plan = AttentionPlan.build(batch, kv.block_size, cfg.head_dim, self.device)
+        plan = AttentionPlan.build(batch, kv.block_size, cfg.head_dim, self.device, self.dtype)
         input_ids = batch.input_ids.to(self.device)
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}) for this model")
         slots = batch.slot_mapping.to(self.device)
         cos, sin = self.rotary.lookup(batch.positions.to(self.device))
         hidden = F.embedding(input_ids, self.weights.embed)
@@ -94,10 +96,10 @@ class PagedLlama:
         key_cache.index_copy_(0, slots, k)
         value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan)
-        hidden = hidden + F.linear(attn, layer.out, layer.out_bias)
+        hidden.add_(F.linear(attn, layer.out, layer.out_bias))
         x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return hidden.add_(F.linear(F.silu(gate).mul_(up), layer.down, layer.down_bias))
 
 
 def load_model(

@@ -30,18 +30,18 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos and sin for every position up to the model's maximum, each [max_positions, head_dim]."""
+    """cos and signed sin for every position up to the model's maximum, each [max_positions, head_dim]."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inverse_frequencies(config))
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
+        # sin with the rotate-half sign folded in: [-sin, sin]
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
         self.max_positions = config.max_position_embeddings
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim] for the step's positions, ready to broadcast over heads."""
+        """cos and signed sin [T, 1, head_dim] for the step's positions, ready to broadcast over heads."""
         if positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context ({self.max_positions})"
@@ -50,7 +50,7 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] (the rotate-half layout of Hugging Face Llama)."""
+    """Rotate ``x`` [T, heads, head_dim] (the rotate-half layout of Hugging Face Llama); ``sin`` is signed."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)

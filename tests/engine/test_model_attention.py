@@ -53,7 +53,7 @@ def test_mixed_step_matches_reference(seed: int) -> None:
         num_decodes=9,
     )
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
-    plan = AttentionPlan.build(batch, BLOCK, HEAD_DIM, torch.device("cpu"))
+    plan = AttentionPlan.build(batch, BLOCK, HEAD_DIM, torch.device("cpu"), torch.float32)
     assert len(plan.decodes) > 1
     out = paged_attention(
         q, key_cache[step_slots], value_cache[step_slots], key_cache, value_cache, BLOCK, plan
@@ -78,4 +78,4 @@ def test_inconsistent_batch_is_refused() -> None:
         num_decodes=0,
     )
     with pytest.raises(ValueError, match="disagree"):
-        AttentionPlan.build(batch, BLOCK, HEAD_DIM, torch.device("cpu"))
+        AttentionPlan.build(batch, BLOCK, HEAD_DIM, torch.device("cpu"), torch.float32)
