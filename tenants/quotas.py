@@ -10,12 +10,25 @@ in the last interval, reports the settled cost and renews the lease, in one roun
 (``weir_quota_return``). A process that dies stops renewing; after ``lease_s`` its whole lease (free
 slice and in-flight reservations) is reclaimed by the next acquire for that tenant.
 
-Bounds: everything granted was first taken from the tenant's row under its row lock, so several
-processes together never grant more than the allowance: no overspend at all. The price is that a slice
-held by one process is not available to another: a request may be refused while up to a tenth of each
-limit per other process sits unused in its slice, for at most two sync intervals (0.1 s by default).
-Settled cost not yet reported when a process is killed is given back with its lease (at most one sync
-interval of that process's spending).
+Slices are sized from recent demand: a process keeps free about ``HORIZON_S`` (1 s) of the worst-case
+cost it reserved recently, and free slots up to its recent peak of requests in flight; one grant adds at
+most a tenth of each limit beyond what the request needs. When a slice falls below half of that, a
+background acquire tops it up, so a reservation waits on the database only when the slice is empty (a
+cold tenant, or a burst); the sync gives back any surplus.
+
+Bounds:
+
+- No overspend: every grant is first taken from the tenant's row under its row lock, so any number of
+  processes together never reserve more than the allowance.
+- The price is that a slice held by one process is not available to another: a request may be refused
+  while other processes hold unused slices, each at most the size above, for at most one sync interval
+  after their demand stops.
+- A dead process: after ``lease_s`` (30 s) its lease (free slice and in-flight reservations) is given
+  back; settled cost it had not yet reported (at most one sync interval's worth) is given back with it.
+- Quota statements commit asynchronously (``synchronous_commit = off``; the ledger commits durably). If
+  PostgreSQL itself crashes (a clean stop loses nothing), grants of its last ~0.6 s may be forgotten
+  while processes still hold them, and up to those slices can be granted once more: the one case in which
+  the limits can be exceeded, by at most the slices granted in that window.
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ RETURN_SQL = sa.text(
     "CAST(:slots AS integer[]), CAST(:consumed AS double precision[]), :lease_s, :close)"
 )
 _EPSILON = 1e-9
-_HORIZON = 4  # sync intervals of demand a slice is sized for
+HORIZON_S = 1.0  # seconds of recent demand a slice is sized for
+_MAX_TOP_UPS = 4  # background acquires in flight at once
 _TOP_UP_AT = 0.5  # a background acquire starts when the free slice falls below this share of its size
 
 
@@ -115,6 +129,7 @@ class _Slice:
     peak_slots: int = 0  # peak_in_flight of the last interval
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dry_until: float = 0.0  # no background top-up before this (monotonic), after one got nothing
+    topping_up: bool = False
 
     def take(self, cost: float) -> bool:
         if self.cost + _EPSILON < cost or self.slots < 1:
@@ -126,9 +141,10 @@ class _Slice:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return True
 
-    def keep(self) -> tuple[float, int]:
-        """What to hold free: ``_HORIZON`` intervals of recent cost demand; slots up to the recent peak."""
-        cost = max(self.demand_cost, self.reserved_cost) * _HORIZON
+    def keep(self, intervals: float) -> tuple[float, int]:
+        """What to hold free: ``intervals`` sync intervals of recent cost demand, slots up to the recent
+        peak."""
+        cost = max(self.demand_cost, self.reserved_cost) * intervals
         slots = max(self.peak_slots, self.peak_in_flight) - self.in_flight
         return cost, max(0, slots)
 
@@ -160,6 +176,8 @@ class QuotaManager:
         self._ids = itertools.count(1)
         self._sync_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._horizon = HORIZON_S / sync_interval_s
+        self._top_ups = asyncio.Semaphore(_MAX_TOP_UPS)  # leave connections for reservations that wait
         self._sync_lock = asyncio.Lock()
         self._last_renewal = time.monotonic()
         self._closed = False
@@ -190,28 +208,34 @@ class QuotaManager:
 
     def _maybe_top_up(self, tenant_id: int, piece: _Slice) -> None:
         """Refill a slice in the background before it runs dry: reservations rarely wait on the database."""
-        keep_cost, _ = piece.keep()
-        if piece.cost >= _TOP_UP_AT * keep_cost or piece.lock.locked() or time.monotonic() < piece.dry_until:
+        keep_cost, _ = piece.keep(self._horizon)
+        if piece.topping_up or piece.lock.locked() or piece.cost >= _TOP_UP_AT * keep_cost:
             return
+        if time.monotonic() < piece.dry_until:
+            return
+        piece.topping_up = True
         task = asyncio.get_running_loop().create_task(self._top_up(tenant_id, piece))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _top_up(self, tenant_id: int, piece: _Slice) -> None:
-        async with piece.lock:
-            before = piece.cost
-            try:
-                await self._acquire(tenant_id, piece, 0.0)
-            except Exception as exc:  # the next reservation that needs the database will say so
-                log.debug("quota top-up failed: %s", exc)
-            if piece.cost <= before + _EPSILON:
-                piece.dry_until = time.monotonic() + self.sync_interval_s
+        try:
+            async with self._top_ups, piece.lock:
+                before = piece.cost
+                try:
+                    await self._acquire(tenant_id, piece, 0.0)
+                except Exception as exc:  # the next reservation that needs the database will say so
+                    log.debug("quota top-up failed: %s", exc)
+                if piece.cost <= before + _EPSILON:
+                    piece.dry_until = time.monotonic() + self.sync_interval_s
+        finally:
+            piece.topping_up = False
 
     async def _acquire(self, tenant_id: int, piece: _Slice, cost: float) -> Refusal | None:
         """One round trip: take what ``cost`` still needs (all or nothing) plus what the slice should hold."""
         need_cost = max(0.0, cost - piece.cost)
         need_slots = 0 if piece.slots >= 1 or cost == 0 else 1
-        keep_cost, keep_slots = piece.keep()
+        keep_cost, keep_slots = piece.keep(self._horizon)
         consumed, piece.consumed = piece.consumed, 0.0
         params = {
             "tenant": tenant_id,
@@ -289,7 +313,7 @@ class QuotaManager:
             batch: list[tuple[int, float, int, float]] = []
             for tenant_id in sorted(self._slices):
                 piece = self._slices[tenant_id]
-                keep_cost, keep_slots = (0.0, 0) if close else piece.keep()
+                keep_cost, keep_slots = (0.0, 0) if close else piece.keep(self._horizon)
                 give_cost = max(0.0, piece.cost - keep_cost) if not piece.lock.locked() else 0.0
                 give_slots = max(0, piece.slots - keep_slots) if not piece.lock.locked() else 0
                 piece.end_interval()
