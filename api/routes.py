@@ -47,10 +47,10 @@ async def healthz() -> dict:
 async def readyz(request: Request) -> Response:
     """Ready once the model is loaded and the database answers."""
     runtime: Runtime = request.app.state.runtime
-    ready = runtime.ready
-    return Response(
-        {"ready": ready, "model": runtime.model_name if ready else None}, status_code=200 if ready else 503
-    )
+    database = await runtime.database_reachable() if runtime.ready else False
+    ready = runtime.ready and database
+    body = {"ready": ready, "model": runtime.model_name if runtime.ready else None, "database": database}
+    return Response(body, status_code=200 if ready else 503)
 
 
 ROUTES = [chat_completions, completions, list_models, healthz, readyz]

@@ -72,6 +72,17 @@ class Runtime:
         if self.db is not None:
             await self.db.dispose()
 
+    async def database_reachable(self, timeout_s: float = 2.0) -> bool:
+        """Whether the database answers a trivial query within ``timeout_s``."""
+        import sqlalchemy as sa
+
+        try:
+            async with asyncio.timeout(timeout_s), self.db.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+        except Exception:
+            return False
+        return True
+
     def check_ready(self) -> None:
         if not self.ready:
             raise APIError(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
-import sys
 from pathlib import Path
 
 
@@ -115,6 +115,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DroppedClientFilter(logging.Filter):
+    """Hide uvicorn's error for a response left incomplete on purpose: a stalled client that was dropped
+    (logged by the API itself with the request and tenant)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing response."
+
+
 def run_server(settings, log_level: str = "info") -> None:
     """Serve ``create_app(settings)`` with uvicorn until interrupted."""
     import uvicorn
@@ -122,6 +130,7 @@ def run_server(settings, log_level: str = "info") -> None:
     from api.app import create_app
     from api.http_protocol import bounded_protocol
 
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)-8s %(name)s: %(message)s")
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -131,10 +140,11 @@ def run_server(settings, log_level: str = "info") -> None:
         log_level=log_level,
         timeout_graceful_shutdown=10,
     )
+    logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())  # after uvicorn's logging setup
     server = uvicorn.Server(config)
     server.run()
     if not server.started:
-        sys.exit("weir serve: error: the server did not start (see the log above)")
+        raise SystemExit("weir serve: error: the server did not start (see the log above)")
 
 
 def _demo(args: argparse.Namespace) -> int:
