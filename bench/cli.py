@@ -38,6 +38,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
     parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run Weir once more under the torch profiler and show where time goes",
+    )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

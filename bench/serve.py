@@ -232,10 +232,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     result = run(args)
-    print(render(result, args.name))
     if args.out:
         write_json(args.out, result)
-        print(f"wrote {args.out}")
+        progress(f"wrote {args.out}")
+    print(render(result, args.name))
     return 0
 
 
