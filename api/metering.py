@@ -82,6 +82,9 @@ class Tracker:
             self.finish_reason = out.finish_reason
             self.engine_error = out.error
 
+    def fail(self, error: str) -> None:
+        self.finish_reason, self.engine_error = "error", error
+
     def usage(self) -> dict:
         return usage_dict(self.prompt_tokens, self.cached_tokens, self.output_tokens)
 

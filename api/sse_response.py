@@ -87,23 +87,25 @@ class CompletionResponse:
         delta (within a step), whose counts are what gets billed. Closing the iterator early (an error
         here) aborts the request in the engine too.
         """
-        async with contextlib.aclosing(self.job.runtime.generate(self.job)) as outputs:
-            async for out in outputs:
-                self.tracker.update(out)
-                if self.tracker.gone:
-                    continue
-                try:
-                    await emit(out)
-                except ClientTooSlow:
-                    self._drop()
+        try:
+            async with contextlib.aclosing(self.job.runtime.generate(self.job)) as outputs:
+                async for out in outputs:
+                    self.tracker.update(out)
+                    if self.tracker.gone:
+                        continue
+                    try:
+                        await emit(out)
+                    except ClientTooSlow:
+                        self._drop()
+        except Exception as exc:  # the engine refused or failed: the client gets an error, the ledger a row
+            log.exception("request %s failed in the engine", self.job.request_id)
+            self.tracker.fail(str(exc))
 
     async def _stream(self, send) -> None:
         shape = self.job.shape
 
         async def emit(out: RequestOutput) -> None:
-            if out.finished and not self.tracker.completed:
-                await self._body(send, sse(self.tracker.error().body()))
-            elif out.text or out.finished:
+            if out.text or self.tracker.completed:
                 await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
 
         await self._send(send, {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -112,9 +114,9 @@ class CompletionResponse:
         await self._consume(emit)
         if self.tracker.gone:
             return
-        if not self.tracker.finished:  # the engine ended the stream without a final delta
+        if not self.tracker.completed:  # failed after the stream started: an error event, then the end
             await self._body(send, sse(self.tracker.error().body()))
-        elif self.tracker.completed and shape.include_usage:
+        elif shape.include_usage:
             await self._body(send, sse(shape.usage_chunk(self.tracker.usage())))
         self.tracker.responded = True
         await self._body(send, DONE, more=False)
