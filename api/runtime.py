@@ -269,8 +269,9 @@ def quota_refusal(refusal: Refusal, cost: float) -> APIError:
         f"x-ratelimit-limit-{unit}": _number(refusal.limit),
         f"x-ratelimit-remaining-{unit}": _number(remaining),
     }
-    if refusal.reset_s is not None:
-        headers[f"x-ratelimit-reset-{unit}"] = f"{refusal.reset_s:.3f}s"
+    reset = refusal.reset_s if refusal.reset_s is not None else refusal.retry_after_s  # concurrency: a slot
+    if reset is not None:
+        headers[f"x-ratelimit-reset-{unit}"] = f"{reset:.3f}s"
     if not refusal.retryable:
         headers["x-should-retry"] = "false"
         message = (

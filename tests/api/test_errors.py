@@ -137,7 +137,7 @@ def test_concurrency_limit_429(api_server: ApiServer, make_tenant) -> None:
             client.completions.create(model=model, prompt="x", max_tokens=5)
     headers = limited.value.response.headers
     assert headers["x-ratelimit-limit-requests"] == "1" and headers["x-ratelimit-remaining-requests"] == "0"
-    assert "retry-after" in headers
+    assert "retry-after" in headers and headers["x-ratelimit-reset-requests"].endswith("s")
     assert api_server.wait_shed_reasons(tenant_id) == ["concurrency"]
 
 
