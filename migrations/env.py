@@ -6,6 +6,7 @@ import asyncio
 from logging.config import fileConfig
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
@@ -17,9 +18,16 @@ if config.config_file_name is not None and not config.attributes.get("database_u
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
+# Several processes may start at once (``weir serve`` migrates on start): one migrates, the others wait
+# for it and then find the schema at head. PostgreSQL's DDL is transactional, so all revisions of a run
+# commit together or not at all.
+MIGRATION_LOCK_KEY = 0x7765697200000001
+
+
 def _run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=metadata, transaction_per_migration=True)
+    context.configure(connection=connection, target_metadata=metadata)
     with context.begin_transaction():
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tenants.keys import hash_secret, new_secret, secret_prefix
-from tenants.models import api_keys, quota_state, quotas, tenants
+from tenants.models import TENANT_STATUSES, api_keys, quota_state, quotas, tenants
 from tenants.records import ApiKey, Conflict, InvalidValue, NotFound, Quotas, Tenant, check_positive
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -169,7 +169,7 @@ async def update_tenant(engine: AsyncEngine, ref: str | int, **changes: Any) -> 
 
 async def set_tenant_status(engine: AsyncEngine, ref: str | int, status: str) -> Tenant:
     """Suspend (``"suspended"``) or resume (``"active"``) a tenant; its keys follow within the auth TTL."""
-    if status not in ("active", "suspended"):
+    if status not in TENANT_STATUSES:
         raise InvalidValue(f"unknown status {status!r}")
     async with engine.begin() as conn:
         tenant_id = await _tenant_id(conn, ref)

@@ -169,8 +169,12 @@ def _db_downgrade(args: argparse.Namespace) -> int:
 
 
 def _db_stop(args: argparse.Namespace) -> int:
-    from tenants.db import DatabaseError, embedded_server
+    import os
 
+    from tenants.db import DATABASE_URL_ENV, DatabaseError, embedded_server
+
+    if os.environ.get(DATABASE_URL_ENV):
+        print(f"note: {DATABASE_URL_ENV} is set; Weir does not use its embedded PostgreSQL", file=sys.stderr)
     try:
         stopped = embedded_server().stop()
     except DatabaseError as exc:

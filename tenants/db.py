@@ -38,6 +38,14 @@ def _postgres_bin() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
+def _make_traversable(path: Path) -> None:
+    """Let other users (the server's) traverse every parent of ``path`` (adds search permission only)."""
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if mode & 0o011 != 0o011:
+            parent.chmod(mode | 0o011)
+
+
 class DatabaseError(RuntimeError):
     """The database could not be reached or started; the message is one line for the user."""
 
@@ -68,7 +76,10 @@ class EmbeddedPostgres:
         self.data = self.root / "data"
 
     def _pg(self, program: str, *args: str, timeout: float = 60) -> None:
-        user = PG_SYSTEM_USER if os.geteuid() == 0 else None
+        user = None
+        if os.geteuid() == 0:
+            user = PG_SYSTEM_USER
+            _make_traversable(self.data)  # again: a parent's mode may have been reset since
         result = subprocess.run(
             [str(_postgres_bin() / program), *args],
             user=user,
@@ -114,8 +125,7 @@ class EmbeddedPostgres:
                 ["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True, capture_output=True
             )
             entry = pwd.getpwnam(PG_SYSTEM_USER)
-        for parent in path.parents:
-            parent.chmod(parent.stat().st_mode | 0o011)  # traversable by the server user
+        _make_traversable(path)
         os.chown(path, entry.pw_uid, entry.pw_gid)
 
     def _init(self) -> None:
@@ -146,6 +156,8 @@ class EmbeddedPostgres:
         except (OSError, ValueError, IndexError):
             return None
         if len(lines) < 8 or lines[7].strip() != "ready" or not socket_dir:
+            return None
+        if not Path(socket_dir, f".s.PGSQL.{port}").exists():  # a stale pid file whose pid was reused
             return None
         return f"postgresql+asyncpg://postgres@/postgres?host={socket_dir}&port={port}"
 
@@ -194,21 +206,17 @@ def embedded_server(root: Path | None = None) -> EmbeddedPostgres:
     return EmbeddedPostgres(root if root is not None else state_dir() / "postgres")
 
 
-def database_url(*, start: bool = True) -> str:
-    """The asyncpg URL to use: ``DATABASE_URL`` if set, else the embedded server (started if ``start``)."""
+def database_url() -> str:
+    """The asyncpg URL to use: ``DATABASE_URL`` if set, else the embedded server (started if not running)."""
     configured = os.environ.get(DATABASE_URL_ENV)
     if configured:
         return async_url(configured)
-    server = embedded_server()
-    url = server.start() if start else server.running_url()
-    if url is None:
-        raise DatabaseError("the embedded PostgreSQL is not running")
-    return url
+    return embedded_server().start()
 
 
 def create_engine(url: str | None = None, **kwargs: Any) -> AsyncEngine:
     """An async SQLAlchemy engine for ``url`` (default: :func:`database_url`)."""
-    options: dict[str, Any] = {"pool_pre_ping": True}
+    options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": {"timeout": 10}}
     if "poolclass" not in kwargs:
         options.update(pool_size=10, max_overflow=20)
     options.update(kwargs)

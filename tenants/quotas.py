@@ -79,7 +79,7 @@ def quota_engine(engine: AsyncEngine, pool_size: int = 8) -> AsyncEngine:
         pool_reset_on_return=None,
         pool_size=pool_size,
         max_overflow=0,
-        connect_args={"server_settings": {"synchronous_commit": "off"}},
+        connect_args={"timeout": 10, "server_settings": {"synchronous_commit": "off"}},
     )
 
 

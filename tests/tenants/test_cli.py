@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,8 +40,17 @@ def weir(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-def test_embedded_database_persists_between_commands(tmp_path):
-    env = _env(tmp_path / "state", None)
+@pytest.fixture
+def own_state_dir() -> Iterator[Path]:
+    """A state directory outside pytest's basetemp, which a concurrent pytest session may prune while the
+    embedded server in it runs."""
+    path = Path(tempfile.mkdtemp(prefix="weir-test-state-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_embedded_database_persists_between_commands(own_state_dir):
+    env = _env(own_state_dir, None)
     try:
         assert weir(env, "db", "upgrade").returncode == 0
         created = weir(env, "tenant", "create", "acme", "--cost-per-minute", "5000", "--max-concurrency", "8")
