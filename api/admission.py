@@ -16,16 +16,6 @@ from engine.types import SamplingParams
 from tenants.auth import Principal
 
 
-def _check_model(runtime: Runtime, model: str) -> None:
-    if model not in runtime.model_names:
-        raise APIError(
-            404,
-            f"The model '{model}' does not exist. This server serves '{runtime.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def _prompt_ids(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
     """The prompt's token ids and the parameter name to blame when it is too long."""
     tokenizer = runtime.engine.tokenizer
@@ -75,6 +65,13 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     )
 
 
+_SHED_WHY = {
+    "queue": "too many requests are waiting",
+    "kv": "the KV cache is full and requests wait for memory",
+    "slo": "the predicted time to first token exceeds the tenant's target",
+}
+
+
 async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None:
     """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
     stats = runtime.engine.stats()
@@ -82,12 +79,8 @@ async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None
     retry_after = 1.0
     if stats.waiting >= runtime.settings.max_waiting:
         reason = "queue"
-    elif math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_total:
-        raise bad_request(
-            "The prompt does not fit in the server's KV cache.",
-            param="messages",
-            code="context_length_exceeded",
-        )
+    elif stats.waiting and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free:
+        reason = "kv"  # others already wait for memory that this prompt's prefill would need too
     else:
         estimate = runtime.engine.estimate_ttft(prompt_len, str(principal.tenant_id))
         target = principal.tenant.ttft_target_s
@@ -99,8 +92,8 @@ async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None
     await runtime.record_shed(principal, reason)
     raise APIError(
         503,
-        "The server is overloaded and cannot start your request within its latency target"
-        f" ({reason}). Please retry after a short wait.",
+        f"The server is overloaded and cannot start your request in time ({_SHED_WHY[reason]}). "
+        "Please retry after a short wait.",
         type="server_error",
         code="server_overloaded",
         headers={"retry-after": str(math.ceil(retry_after))},
@@ -112,7 +105,7 @@ async def admit(
 ) -> Job:
     """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
     body.check_common()
-    _check_model(runtime, body.model)
+    runtime.check_model(body.model)
     prompt_ids, prompt_param = _prompt_ids(runtime, body)
     max_tokens = _max_tokens(runtime, principal, body.requested_max_tokens(), len(prompt_ids), prompt_param)
     params = _sampling(body, max_tokens)

@@ -37,6 +37,15 @@ async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [runtime.model_card()]}
 
 
+@get("/v1/models/{model_id:str}")
+async def retrieve_model(request: Request, model_id: str) -> dict:
+    runtime: Runtime = request.app.state.runtime
+    runtime.check_ready()
+    await runtime.authenticate(request.headers.get("authorization"))
+    runtime.check_model(model_id)
+    return runtime.model_card()
+
+
 @get("/healthz")
 async def healthz() -> dict:
     """The process is up (the model may still be loading)."""
@@ -53,4 +62,4 @@ async def readyz(request: Request) -> Response:
     return Response(body, status_code=200 if ready else 503)
 
 
-ROUTES = [chat_completions, completions, list_models, healthz, readyz]
+ROUTES = [chat_completions, completions, list_models, retrieve_model, healthz, readyz]

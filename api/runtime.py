@@ -8,11 +8,12 @@ vanishes nor the framework cancelling the request's task can lose a usage record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,15 @@ class Runtime:
 
     # --- model ---------------------------------------------------------------------------------------------
 
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        return (self.model_name,)
+    def check_model(self, model: str) -> None:
+        """404 unless ``model`` is the name this server serves."""
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist. This server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
 
     @property
     def max_model_len(self) -> int:
@@ -187,11 +194,13 @@ class Runtime:
                     log.exception("closing the %s failed", part)
 
     async def authenticate(self, header: str | None) -> Principal:
-        return await authenticate(self.authenticator, header)
+        with _database_unavailable_is_503():
+            return await authenticate(self.authenticator, header)
 
     async def reserve(self, principal: Principal, cost: float) -> Reservation:
         """Reserve ``cost`` for the tenant, or raise the 429 that says which limit refused."""
-        outcome = await self.quotas.reserve(principal.tenant_id, cost)
+        with _database_unavailable_is_503():
+            outcome = await self.quotas.reserve(principal.tenant_id, cost)
         if isinstance(outcome, Reservation):
             return outcome
         self.usage.record_shed(principal.tenant_id, outcome.reason)
@@ -251,6 +260,24 @@ class Runtime:
             }
             for t in tenants
         ]
+
+
+@contextlib.contextmanager
+def _database_unavailable_is_503() -> Iterator[None]:
+    """A database that cannot be reached refuses the request with a retryable 503, not a 500."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    try:
+        yield
+    except (DBAPIError, InterfaceError, OperationalError, OSError, TimeoutError) as exc:
+        log.warning("database unavailable: %s", exc)
+        raise APIError(
+            503,
+            "The server cannot reach its database right now; please retry shortly.",
+            type="server_error",
+            code="service_unavailable",
+            headers={"retry-after": "2"},
+        ) from None
 
 
 def quota_refusal(refusal: Refusal, cost: float) -> APIError:

@@ -108,6 +108,8 @@ def test_malformed_bodies_unknown_model_and_routes(api_server: ApiServer, make_t
     with pytest.raises(openai.NotFoundError) as missing:
         _client(api_server, key).completions.create(model="gpt-17", prompt="x")
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        _client(api_server, key).models.retrieve("gpt-17")
     assert len(api_server.wait_usage(tenant_id, 1)) == 1  # only the one request that ran is billed
 
 
