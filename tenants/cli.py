@@ -146,26 +146,36 @@ def _key_rows(keys: Sequence[ApiKey]) -> str:
 # --- weir db ---
 
 
-def _db_upgrade(args: argparse.Namespace) -> int:
-    from tenants.db import database_url, upgrade_to_head
+def _migrate(command: str, revision: str | None) -> int:
+    """Upgrade to head (``revision`` None) or downgrade to ``revision``, then say where the schema is."""
+    import sqlalchemy as sa
+
+    from tenants.db import database_url, downgrade, upgrade_to_head
 
     try:
-        upgrade_to_head(database_url())
-    except Exception as exc:  # DatabaseError, Alembic and driver errors: one line
-        raise _fail("db upgrade", exc) from None
-    print("database schema is up to date")
-    return 0
+        url = database_url()
+        if revision is None:
+            upgrade_to_head(url)
+        else:
+            downgrade(url, revision)
+    except Exception as exc:  # DatabaseError, Alembic (unknown revision) and driver errors: one line
+        raise _fail(command, exc) from None
+
+    async def body(engine: AsyncEngine) -> int:
+        async with engine.connect() as conn:
+            current = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))).scalar()
+        print(f"database schema at revision {current}" if current else "database schema is empty")
+        return 0
+
+    return _run(command, body)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    return _migrate("db upgrade", None)
 
 
 def _db_downgrade(args: argparse.Namespace) -> int:
-    from tenants.db import database_url, downgrade
-
-    try:
-        downgrade(database_url(), args.revision)
-    except Exception as exc:  # Alembic (unknown revision) and driver errors, in one line
-        raise _fail("db downgrade", exc) from None
-    print(f"database schema downgraded to {args.revision}")
-    return 0
+    return _migrate("db downgrade", args.revision)
 
 
 def _db_stop(args: argparse.Namespace) -> int:
