@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -133,11 +134,12 @@ class AsyncEngine:
         self._slots[request_id] = slot
         self._submitted_prompt_tokens[request_id] = len(prompt_token_ids)
         prompt = list(prompt_token_ids)
+        arrival = time.monotonic()
 
         def add(core: EngineCore) -> None:
             self._submitted_prompt_tokens.pop(request_id, None)
             try:
-                core.add_request(request_id, prompt, params, tenant_id, priority)
+                core.add_request(request_id, prompt, params, tenant_id, priority, arrival)
             except ValueError as exc:
                 refused = RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc))
                 self._deliver([refused])

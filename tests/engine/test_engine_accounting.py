@@ -108,11 +108,23 @@ async def test_cancelled_consumer_aborts_and_slow_consumer_gets_merged_deltas(ti
         await wait_for(lambda: engine.stats().kv_blocks_free == total)
         assert engine.stats().steps <= steps_at_abort + 1  # at most the step that was in flight
 
-        stream = engine.generate("slow", prompts[1], SamplingParams(temperature=0, max_tokens=20))
+        stream = engine.generate("slow", prompts[1], SamplingParams(temperature=0, max_tokens=64))
         first = await anext(stream)  # then the consumer reads nothing until the request has ended
         await wait_for(lambda: engine.stats().running == engine.stats().waiting == 0)
         rest = await anext(stream)
         assert not first.finished and rest.finished and rest.finish_reason == "length"
-        assert len(first.token_ids) + len(rest.token_ids) == rest.output_tokens == 20
+        assert len(first.token_ids) + len(rest.token_ids) == rest.output_tokens == 64
         assert len(rest.token_ids) == len(rest.token_times) > 1  # several steps' deltas merged into one
         assert engine.stats().kv_blocks_free == total
+
+
+def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir)
+    empty = core.estimate_ttft(100)
+    for i, prompt in enumerate(random_prompts((300, 200), seed=8)):
+        core.add_request(f"q{i}", prompt, SamplingParams(temperature=0, max_tokens=2))
+    queued = core.estimate_ttft(100, "someone")
+    assert 0 < empty < queued and queued == pytest.approx(empty * 6)
+    while core.has_unfinished():
+        core.step()
+    assert core.estimate_ttft(200) == pytest.approx(2 * core.estimate_ttft(100))  # nothing queued any more

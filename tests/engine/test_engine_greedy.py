@@ -16,6 +16,7 @@ from tests.fixtures.models import hf_greedy
 
 TINY_PROMPT_LENGTHS = (1, 3, 7, 16, 17, 33, 50, 64, 5)
 TINY_NEW_TOKENS = 12
+SMOL_NEW_TOKENS = 10
 SETUPS = {
     "whole-prompts": {},
     "chunks-of-16": {"prefill_chunk_size": 16, "max_batched_tokens": 40},
@@ -23,7 +24,7 @@ SETUPS = {
 }
 SMOL_SETUPS = {
     "whole-prompts": {},
-    "chunks-of-16-tiny-kv-pool": {"num_kv_blocks": 20, "prefill_chunk_size": 16, "max_batched_tokens": 64},
+    "chunks-of-16-tiny-kv-pool": {"num_kv_blocks": 16, "prefill_chunk_size": 16},
 }
 QUESTIONS = (
     "Hi",
@@ -48,7 +49,7 @@ def smol_case(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     tokenizer = Tokenizer(smollm2_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) == len(prompts)
-    return prompts, hf_greedy(smollm2_dir, prompts, 16)
+    return prompts, hf_greedy(smollm2_dir, prompts, SMOL_NEW_TOKENS)
 
 
 def run_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, setup: dict) -> list[list[int]]:
@@ -72,7 +73,7 @@ def test_tiny_model_engine_matches_transformers(tiny_model_dir: Path, tiny_case,
 @pytest.mark.parametrize("setup", SMOL_SETUPS)
 def test_smollm2_engine_matches_transformers(smollm2_dir: Path, smol_case, setup: str) -> None:
     prompts, expected = smol_case
-    assert run_greedy(smollm2_dir, prompts, 16, SMOL_SETUPS[setup]) == expected
+    assert run_greedy(smollm2_dir, prompts, SMOL_NEW_TOKENS, SMOL_SETUPS[setup]) == expected
 
 
 async def test_async_engine_concurrent_streams_match_transformers(tiny_model_dir: Path, tiny_case) -> None:
