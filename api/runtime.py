@@ -57,8 +57,7 @@ class Runtime:
         )
         self.engine = AsyncEngine(config)
         await self.engine.start()
-        self.model_name = self.settings.model_name or self.engine.model_name or Path(self.settings.model).name
-        self.weights = getattr(self.engine, "cost_weights", None) or DEFAULT_WEIGHTS
+        self.model_name = self.settings.model_name or self.engine.model_name
         await self._start_tenants()
         self.ready = True
         log.info("serving model %s", self.model_name)
@@ -167,7 +166,10 @@ class Runtime:
             "started_at": job.started_at,
             "finished_at": datetime.now(UTC),
         }
-        self.submit_usage(event)
+        try:
+            self.usage.submit(UsageEvent(**event))
+        except Exception:  # a bug, never an outage (the writer spills): keep the record in the log
+            log.exception("could not record usage event %s", event)
 
     def counters(self) -> dict[str, int]:
         return {"requests_in_cleanup": len(self._cleanups), **self._counts}
@@ -214,9 +216,6 @@ class Runtime:
 
     async def record_shed(self, principal: Principal, reason: str) -> None:
         self.usage.record_shed(principal.tenant_id, reason)
-
-    def submit_usage(self, event: dict) -> None:
-        self.usage.submit(UsageEvent(**event))
 
     async def tenants_overview(self) -> list[dict]:
         """Every tenant with its quotas and this month's usage and refusals."""
