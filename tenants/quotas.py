@@ -12,23 +12,26 @@ slice and in-flight reservations) is reclaimed by the next acquire for that tena
 
 Slices are sized from recent demand: a process keeps free about ``HORIZON_S`` (1 s) of the worst-case
 cost it reserved recently, and free slots up to its recent peak of requests in flight; one grant adds at
-most a tenth of each limit beyond what the request needs. When a slice falls below half of that, a
-background acquire tops it up, so a reservation waits on the database only when the slice is empty (a
-cold tenant, or a burst); the sync gives back any surplus.
+most a tenth of what remains of each limit beyond what the request needs, so slices shrink as a limit
+nears. When a slice falls below half of that, a background acquire tops it up, so a reservation waits on
+the database only when the slice is empty (a cold tenant, or a burst); each sync gives back the surplus.
 
 Bounds:
 
 - No overspend: every grant is first taken from the tenant's row under its row lock, so any number of
   processes together never reserve more than the allowance.
 - The price is that a slice held by one process is not available to another: a request may be refused
-  while other processes hold unused slices, each at most the size above, for at most one sync interval
-  after their demand stops.
+  (even for the budget) while other processes hold unused slices. Each holds at most what it reserved
+  in the last ~1 s, taken in grants of at most a tenth of what remained; once its demand stops, the
+  smoothed demand halves every sync interval, so the slice goes back within a few intervals (~0.3 s).
 - A dead process: after ``lease_s`` (30 s) its lease (free slice and in-flight reservations) is given
   back; settled cost it had not yet reported (at most one sync interval's worth) is given back with it.
+  A live process cut off from the database for longer than ``lease_s`` is treated the same way, and
+  may then grant once more what it still holds locally.
 - Quota statements commit asynchronously (``synchronous_commit = off``; the ledger commits durably). If
   PostgreSQL itself crashes (a clean stop loses nothing), grants of its last ~0.6 s may be forgotten
-  while processes still hold them, and up to those slices can be granted once more: the one case in which
-  the limits can be exceeded, by at most the slices granted in that window.
+  while processes still hold them, and up to those slices can be granted once more: with the case above,
+  the only ways the limits can be exceeded, by at most the slices held at that moment.
 """
 
 from __future__ import annotations

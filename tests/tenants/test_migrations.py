@@ -1,4 +1,5 @@
-"""Migrations: empty -> head -> empty -> head, and the schema matches tenants/models.py."""
+"""Migrations: empty -> head -> empty -> head, one step down and up, and the schema matches
+tenants/models.py."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ from tenants.db import downgrade, upgrade_to_head, with_database
 from tenants.models import metadata
 from tests.fixtures.database import plain_dsn, run_admin
 
+EXPECTED = {t.name: {c.name for c in t.columns} for t in metadata.sorted_tables}
 
-async def _columns(url: str) -> dict[str, set[str]]:
+
+async def _schema(url: str) -> tuple[dict[str, set[str]], str | None]:
+    """The public tables with their columns, and the definition of weir_quota_acquire (None if absent)."""
     conn = await asyncpg.connect(plain_dsn(url))
     try:
         rows = await conn.fetch(
             "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'"
         )
-        functions = await conn.fetchval(
-            "SELECT count(*) FROM pg_proc "
-            "WHERE proname LIKE 'weir\\_%' AND pronamespace = 'public'::regnamespace"
+        acquire = await conn.fetchval(
+            "SELECT pg_get_functiondef(oid) FROM pg_proc WHERE proname = 'weir_quota_acquire'"
         )
     finally:
         await conn.close()
@@ -28,9 +31,7 @@ async def _columns(url: str) -> dict[str, set[str]]:
     for row in rows:
         tables.setdefault(row["table_name"], set()).add(row["column_name"])
     tables.pop("alembic_version", None)
-    if functions:
-        tables["functions"] = {str(functions)}
-    return tables
+    return tables, acquire
 
 
 async def _upgrade_from_async_code(url: str) -> None:
@@ -43,15 +44,19 @@ def test_upgrade_downgrade_upgrade(pg_server_url):
     url = with_database(pg_server_url, name)
     try:
         asyncio.run(_upgrade_from_async_code(url))
-        expected = {t.name: {c.name for c in t.columns} for t in metadata.sorted_tables}
-        head = asyncio.run(_columns(url))
-        assert head.pop("functions") == {"2"}
-        assert head == expected
+        tables, acquire = asyncio.run(_schema(url))
+        assert tables == EXPECTED
+        assert "(free_budget - p_need_cost) / 10" in acquire  # revision 0002's slice caps
+
+        downgrade(url, "0001")
+        tables, acquire = asyncio.run(_schema(url))
+        assert tables == EXPECTED and "q.monthly_budget / 10" in acquire
+
         downgrade(url, "base")
-        assert asyncio.run(_columns(url)) == {}
+        assert asyncio.run(_schema(url)) == ({}, None)
+
         upgrade_to_head(url)
-        again = asyncio.run(_columns(url))
-        again.pop("functions")
-        assert again == expected
+        tables, acquire = asyncio.run(_schema(url))
+        assert tables == EXPECTED and "(free_budget - p_need_cost) / 10" in acquire
     finally:
         run_admin(pg_server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
