@@ -9,8 +9,9 @@ Public API (stable; import from the submodules):
     ``database_url() -> str`` (``DATABASE_URL``, else the embedded server under ``<WEIR_STATE_DIR>/postgres``,
     started if needed and left running for the next command), ``create_engine(url=None) -> AsyncEngine``,
     ``upgrade_to_head(url)``, ``downgrade(url, revision="base")`` (both callable from sync or async code;
-    they block), ``embedded_server() -> EmbeddedPostgres`` (``.start() -> url``, ``.stop()``,
-    ``.running_url()``), ``state_dir()``, ``DatabaseError``.
+    they block; concurrent upgrades wait for each other), ``embedded_server() -> EmbeddedPostgres``
+    (``.start() -> url``, ``.stop()``, ``.running_url()``), ``state_dir()``, ``with_database(url, name)``,
+    ``DatabaseError``.
 ``tenants.records``
     ``Tenant`` (id, name, weight, status, ttft_target_s, tpot_target_s, quotas, created_at; ``.active``),
     ``Quotas`` (cost_per_minute, max_concurrency, monthly_budget, max_output_tokens; ``None`` = unlimited),
@@ -37,11 +38,17 @@ Public API (stable; import from the submodules):
 ``tenants.usage``
     ``UsageEvent`` (request_id, tenant_id, key_id, model, prompt/cached/output tokens, cost, status,
     finish_reason, queue_s, ttft_s, tpot_s, e2e_s, started_at, finished_at), ``ShedEvent``;
-    ``UsageWriter(engine, spill_dir=None)``: ``submit(event)`` (never blocks or raises on an outage),
+    ``UsageWriter(engine, spill_dir=None)`` (default ``<WEIR_STATE_DIR>/spill``; use it from one event
+    loop): ``submit(event)`` (never blocks or raises on an outage; ``ValueError`` for a malformed event),
     ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv), ``start()``,
     ``await flush()``, ``await close()``, ``await replay_spill()``.
 ``tenants.queries``
     ``usage_by_day``, ``latency_percentiles``, ``shed_counts`` (engine, since, until=None, tenant_id=None).
 ``tenants.cli``
-    ``register(subparsers)``: ``weir db``, ``weir tenant``, ``weir key``, ``weir usage``.
+    ``register(subparsers)``: ``weir db upgrade|downgrade|stop|url``, ``weir tenant create|list|show|update|
+    suspend|resume``, ``weir key create|list|revoke``, ``weir usage show``.
+
+Test fixtures (``tests/fixtures/database.py``): ``pg_server_url`` (session: ``DATABASE_URL`` or a throwaway
+embedded server), ``database_url`` (per test: a fresh database migrated to head; give it to a subprocess
+as ``DATABASE_URL``), ``db_engine`` (per test: an engine on it).
 """
