@@ -31,25 +31,28 @@ def _prompt_ids(runtime: Runtime, body: ChatCompletionRequest | CompletionReques
 
 
 def _max_tokens(
-    runtime: Runtime, principal: Principal, requested: int | None, prompt_len: int, prompt_param: str
+    runtime: Runtime,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    prompt_param: str,
 ) -> int:
+    requested, param = body.requested_max_tokens(), body.max_tokens_param
     context = runtime.max_model_len
     room = context - prompt_len
     limit = principal.quotas.max_output_tokens
     if room < 1 or (requested is not None and requested > room):
-        asked = f"{prompt_len} in the prompt" + (
-            f" + {requested} max_tokens" if requested is not None else ""
-        )
+        asked = f"{prompt_len} in the prompt" + (f" + {requested} {param}" if requested is not None else "")
         raise bad_request(
             f"This model's maximum context length is {context} tokens. However, you requested {asked}. "
-            "Please reduce the length of the messages or max_tokens.",
+            f"Please reduce the length of the {prompt_param} or {param}.",
             param=prompt_param,
             code="context_length_exceeded",
         )
     if requested is not None and limit is not None and requested > limit:
         raise bad_request(
-            f"max_tokens is too large: {requested}. This key allows at most {limit} output tokens.",
-            param="max_tokens",
+            f"{param} is too large: {requested}. This key allows at most {limit} output tokens.",
+            param=param,
             code="invalid_value",
         )
     return requested if requested is not None else min(room, limit or room)
@@ -107,7 +110,7 @@ async def admit(
     body.check_common()
     runtime.check_model(body.model)
     prompt_ids, prompt_param = _prompt_ids(runtime, body)
-    max_tokens = _max_tokens(runtime, principal, body.requested_max_tokens(), len(prompt_ids), prompt_param)
+    max_tokens = _max_tokens(runtime, principal, body, len(prompt_ids), prompt_param)
     params = _sampling(body, max_tokens)
     reservation = await runtime.reserve(
         principal, worst_case_cost(len(prompt_ids), max_tokens, runtime.weights)

@@ -46,6 +46,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The name the client used for the output limit (for error messages)."""
+        return "max_tokens"
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP_SEQUENCES:
@@ -73,6 +78,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def chat_messages(self) -> list[dict[str, str]]:
         """The messages as plain role/content dicts for the chat template; text parts only."""

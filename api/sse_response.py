@@ -77,6 +77,10 @@ class CompletionResponse:
         except TimeoutError:
             raise ClientTooSlow from None
 
+    async def _start(self, send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        headers = [*headers, (b"x-request-id", self.job.request_id.encode())]
+        await self._send(send, {"type": "http.response.start", "status": status, "headers": headers})
+
     async def _body(self, send, data: bytes, more: bool = True) -> None:
         await self._send(send, {"type": "http.response.body", "body": data, "more_body": more})
 
@@ -108,7 +112,7 @@ class CompletionResponse:
             if out.text or self.tracker.completed:
                 await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
 
-        await self._send(send, {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await self._start(send, 200, _SSE_HEADERS)
         if shape.chat:
             await self._body(send, sse(shape.chunk("", first=True)))
         await self._consume(emit)
@@ -137,5 +141,5 @@ class CompletionResponse:
             error: APIError = self.tracker.error()
             status, body = error.status, error.body()
         self.tracker.responded = True
-        await self._send(send, {"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        await self._start(send, status, _JSON_HEADERS)
         await self._body(send, json_bytes(body), more=False)

@@ -32,7 +32,11 @@ def test_sync_chat_non_streamed_is_billed_as_reported(api_server: ApiServer, mak
     client = openai.OpenAI(base_url=api_server.v1, api_key=key, max_retries=0)
     [model] = [m.id for m in client.models.list()]
     assert client.models.retrieve(model).id == model
-    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    reply = raw.parse()
+    assert raw.headers["x-request-id"] == reply.id
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 12

@@ -3,6 +3,7 @@ is billed once, the reservation is settled, and other tenants' streams keep flow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from urllib.parse import urlsplit
@@ -112,3 +113,37 @@ def test_non_reading_client_is_dropped_while_others_keep_streaming(
             raise ConnectionResetError  # orderly end of stream after the server closed: also a drop
     finally:
         slow.close()
+
+
+async def test_disconnect_storm_leaves_no_block_reservation_or_record_behind(
+    api_server: ApiServer, make_tenant
+) -> None:
+    storm = 20
+    tenant_id, key = make_tenant(max_concurrency=storm, ttft_target_s=120)
+    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def leave_early(http: httpx.AsyncClient, after_chunks: int) -> None:
+        async with http.stream(
+            "POST", f"{api_server.v1}/completions", json=body, headers=headers
+        ) as response:
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen >= after_chunks:
+                    return
+
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=storm)) as http:
+        await asyncio.gather(*(leave_early(http, 1 + i % 4) for i in range(storm)))
+    wait_until(api_server.engine_idle, what="all KV blocks free after the storm")
+    rows = api_server.wait_usage(tenant_id, storm)
+    assert len(rows) == storm and {r["status"] for r in rows} == {"cancelled"}
+    assert all(0 < r["output_tokens"] < LONG for r in rows)
+    tenant = next(t for t in api_server.admin("tenants")["tenants"] if t["id"] == tenant_id)
+    assert tenant["active_requests"] == 0
+    client = openai.AsyncOpenAI(base_url=api_server.v1, api_key=key, max_retries=0)
+    replies = await asyncio.gather(
+        *(client.completions.create(model=body["model"], prompt="x", max_tokens=2) for _ in range(storm))
+    )  # every concurrency slot came back: all pass at once
+    assert [r.usage.completion_tokens for r in replies] == [2] * storm

@@ -64,6 +64,7 @@ def test_auth_refusals(api_server: ApiServer, make_tenant) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 100_000}, "messages"),
         ({"max_tokens": 1500}, "max_tokens"),  # above the tenant's max output tokens
+        ({"max_completion_tokens": 1500}, "max_completion_tokens"),
     ],
 )
 def test_bad_parameters_are_400_naming_the_parameter(
