@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from engine.core import EngineCore, generate_offline
 from engine.types import RequestOutput, SamplingParams
 from tests.engine.engine_helpers import make_core, random_prompts
@@ -52,8 +54,37 @@ def test_stop_string_straddling_tokens_ends_the_output_and_is_never_emitted(tiny
     assert all(stop not in d.text for d in stopped)
 
 
-def test_multibyte_characters_split_across_tokens_rejoin_exactly(smollm2_dir: Path) -> None:
-    core = make_core(smollm2_dir)
+@pytest.fixture(scope="module")
+def smol_core(smollm2_dir: Path) -> EngineCore:
+    return make_core(smollm2_dir)
+
+
+def test_stop_token_id_ends_the_output_with_its_id_but_no_text(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir)
+    prompt = random_prompts((7,), seed=6)[0]
+    free = stream(core, prompt, SamplingParams(temperature=0, max_tokens=12))
+    ids = [t for d in free for t in d.token_ids]
+    stop_id = ids[4]
+    cut = ids.index(stop_id)
+    stopped = stream(core, prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_id,)))
+    assert [t for d in stopped for t in d.token_ids] == ids[: cut + 1]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].output_tokens == cut + 1
+    assert "".join(d.text for d in stopped) == core.tokenizer.decode(ids[:cut])
+
+
+def test_eos_ends_the_answer_unless_ignore_eos(smol_core: EngineCore) -> None:
+    prompt = smol_core.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    params = SamplingParams(temperature=0, max_tokens=14)  # the answer to "Hi" is about 10 tokens
+    forced_params = replace(params, ignore_eos=True)
+    natural, forced = generate_offline(smol_core, [(prompt, params), (prompt, forced_params)])
+    assert natural.finish_reason == "stop" and natural.token_ids[-1] in smol_core.eos_token_ids
+    assert natural.output_tokens < 14 and natural.text == smol_core.tokenizer.decode(natural.token_ids[:-1])
+    assert forced.finish_reason == "length" and forced.output_tokens == 14
+    assert forced.token_ids[: natural.output_tokens] == natural.token_ids
+
+
+def test_multibyte_characters_split_across_tokens_rejoin_exactly(smol_core: EngineCore) -> None:
+    core = smol_core
     question = "Write the word 'cat' in Chinese characters and in Japanese."
     prompt = core.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     deltas = stream(core, prompt, SamplingParams(temperature=0, max_tokens=16))

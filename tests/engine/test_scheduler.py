@@ -103,3 +103,14 @@ def test_finish_frees_blocks_of_waiting_and_running_sequences() -> None:
     scheduler.finish(running, "abort")
     scheduler.finish(waiting, "abort")
     assert scheduler.kv.num_free_blocks == 8 and not scheduler.has_unfinished()
+
+
+def test_higher_priority_is_admitted_first_and_preempted_last() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=1)
+    low = add(scheduler, "low", 4, 0.0)
+    high = Sequence("high", [1, 2, 3, 4], SamplingParams(), priority=5, arrival_time=1.0)
+    scheduler.add(high)
+    assert step(scheduler).sample_seqs == [high]
+    scheduler.max_num_seqs = 2
+    step(scheduler)  # low admitted: the pool (4 blocks) now holds both prompts and their first decodes
+    assert scheduler.policy.pick_victim(scheduler.running) is low
