@@ -185,6 +185,7 @@ class QuotaManager:
         self._last_renewal = time.monotonic()
         self._closed = False
         self.round_trips = 0  # database round trips made (acquires and syncs), for monitoring
+        self.waits = 0  # reservations that waited for a database round trip (empty slice)
 
     async def reserve(self, tenant_id: int, worst_case_cost: float) -> Reservation | Refusal:
         """Reserve ``worst_case_cost`` and one concurrency slot for ``tenant_id``, or say which limit refuses.
@@ -202,6 +203,7 @@ class QuotaManager:
         if piece.take(worst_case_cost):
             self._maybe_top_up(tenant_id, piece)
             return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
+        self.waits += 1
         async with piece.lock:
             while not piece.take(worst_case_cost):
                 refusal = await self._acquire(tenant_id, piece, worst_case_cost)
