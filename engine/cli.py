@@ -13,9 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--model", default=None, help="Hugging Face Llama-family directory (default: SmolLM2)")
     gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default 0: off)")
+    gen.add_argument("--seed", type=int, default=None, help="same seed, same answer (when sampling)")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     gen.set_defaults(func=generate_command)
 

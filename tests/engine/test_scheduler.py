@@ -112,5 +112,5 @@ def test_higher_priority_is_admitted_first_and_preempted_last() -> None:
     scheduler.add(high)
     assert step(scheduler).sample_seqs == [high]
     scheduler.max_num_seqs = 2
-    step(scheduler)  # low admitted: the pool (4 blocks) now holds both prompts and their first decodes
+    step(scheduler)  # low is admitted next to high
     assert scheduler.policy.pick_victim(scheduler.running) is low
