@@ -11,7 +11,7 @@ from engine.batch import KVCacheTensors, StepBatch
 from engine.models.attention import AttentionPlan, paged_attention
 from engine.models.config import ModelConfig
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
-from engine.models.rope import RotaryTable, apply_rotary
+from engine.models.rope import Rotary, apply_rotary
 
 
 class PagedLlama:
@@ -24,7 +24,7 @@ class PagedLlama:
         self.weights = weights
         self.device = device
         self.dtype = dtype
-        self.rotary = RotaryTable(config, device, dtype)
+        self.rotary = Rotary(config, device, dtype)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, all layers together, for one block of ``block_size`` tokens."""

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: a cos/sin table over all positions, looked up once per step."""
+"""Rotary position embeddings: cos and sin of the step's positions, computed once per step."""
 
 from __future__ import annotations
 
@@ -29,24 +29,25 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-class RotaryTable:
-    """cos and signed sin for every position up to the model's maximum, each [max_positions, head_dim]."""
+class Rotary:
+    """cos and signed sin of each step's positions, computed as Hugging Face does (fp32 angles)."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inverse_frequencies(config))
-        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
-        # sin with the rotate-half sign folded in: [-sin, sin]
-        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
+        self.inv_freq = inverse_frequencies(config).to(device)
         self.max_positions = config.max_position_embeddings
+        self.dtype = dtype
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] for the step's positions, ready to broadcast over heads."""
+        """cos and signed sin ``[-sin, sin]``, each [T, 1, head_dim], ready to broadcast over heads."""
         if positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context ({self.max_positions})"
             )
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        freqs = torch.outer(positions.float(), self.inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(self.dtype).unsqueeze(1)
+        sin = torch.cat((-sin, sin), dim=-1).to(self.dtype).unsqueeze(1)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
