@@ -3,8 +3,11 @@ engine cannot serve within the tenant's TTFT target (DESIGN.md, "A request's pat
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import uuid
+from functools import partial
 
 from api.errors import APIError, bad_request
 from api.metering import Job
@@ -15,19 +18,38 @@ from engine.cost import worst_case_cost
 from engine.types import SamplingParams
 from tenants.auth import Principal
 
+log = logging.getLogger("weir.api")
 
-def _prompt_ids(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
-    """The prompt's token ids and the parameter name to blame when it is too long."""
+
+INLINE_TOKENIZE_CHARS = 8192  # longer texts are tokenized on a worker thread, off the event loop
+
+
+async def _prompt_ids(
+    runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
+) -> tuple[list[int], str]:
+    """The prompt's token ids and the parameter name to blame for it; a text the tokenizer or the chat
+    template rejects is a 400."""
     tokenizer = runtime.engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return list(tokenizer.apply_chat_template(body.chat_messages())), "messages"
-    prompt = body.prompt_input()
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt)), "prompt"
-    vocab = runtime.vocab_size
-    if any(not 0 <= t < vocab for t in prompt):
-        raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", param="prompt")
-    return list(prompt), "prompt"
+        messages = body.chat_messages()
+        param, size = "messages", sum(len(m["content"]) for m in messages)
+        tokenize = partial(tokenizer.apply_chat_template, messages)
+    else:
+        prompt = body.prompt_input()
+        param = "prompt"
+        if not isinstance(prompt, str):
+            vocab = runtime.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", param=param)
+            return list(prompt), param
+        size = len(prompt)
+        tokenize = partial(tokenizer.encode, prompt)
+    try:
+        ids = await asyncio.to_thread(tokenize) if size > INLINE_TOKENIZE_CHARS else tokenize()
+    except Exception as exc:
+        log.warning("could not tokenize the %s: %s", param, exc)
+        raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from None
+    return list(ids), param
 
 
 def _max_tokens(
@@ -109,7 +131,7 @@ async def admit(
     """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
     body.check_common()
     runtime.check_model(body.model)
-    prompt_ids, prompt_param = _prompt_ids(runtime, body)
+    prompt_ids, prompt_param = await _prompt_ids(runtime, body)
     max_tokens = _max_tokens(runtime, principal, body, len(prompt_ids), prompt_param)
     params = _sampling(body, max_tokens)
     reservation = await runtime.reserve(
