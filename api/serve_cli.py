@@ -85,10 +85,12 @@ def _serve(args: argparse.Namespace) -> int:
         model_dir = resolve_model_dir(args.model, state_dir)
     except ValueError as exc:
         raise SystemExit(f"weir serve: error: {exc}") from None
+    from sqlalchemy.exc import SQLAlchemyError
+
     try:
         url = database_url()
         upgrade_to_head(url)
-    except (DatabaseError, OSError) as exc:
+    except (DatabaseError, SQLAlchemyError, OSError) as exc:
         raise SystemExit(f"weir serve: error: database: {exc}") from None
 
     admin_token = os.environ.get("WEIR_ADMIN_TOKEN")
