@@ -24,8 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+import asyncpg
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.exc import DataError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.db import state_dir
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 
 _INT32 = 2**31 - 1
 SPILL_SCAN_S = 10.0
+
+
+def _check_id(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be a non-negative 64-bit int, got {value!r}")
 
 
 def _utc_now() -> datetime:
@@ -65,6 +71,9 @@ class UsageEvent:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("usage event needs a non-empty request id")
+        _check_id("tenant_id", self.tenant_id)
+        if self.key_id is not None:
+            _check_id("key_id", self.key_id)
         for name in ("request_id", "model", "status", "finish_reason"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or "\x00" in value):
@@ -95,6 +104,7 @@ class ShedEvent:
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
+        _check_id("tenant_id", self.tenant_id)
         if self.reason not in SHED_REASONS:
             raise ValueError(f"unknown shed reason {self.reason!r} (one of {', '.join(SHED_REASONS)})")
 
@@ -181,8 +191,7 @@ class UsageWriter:
         """Queue an event for the ledger. Never blocks; never raises because the database is away."""
         if not isinstance(event, UsageEvent | ShedEvent):
             raise TypeError(f"not a usage or shed event: {event!r}")
-        if self._closed or len(self._buffer) >= self.max_buffer:
-            self._spill_events([event])
+        if (self._closed or len(self._buffer) >= self.max_buffer) and self._spill_events([event]):
             return
         self._buffer.append(event)
         self._idle.clear()
@@ -203,9 +212,11 @@ class UsageWriter:
         self._wake.set()
         await self._idle.wait()
 
-    async def close(self) -> None:
-        """Flush, stop the background task and close the spill file (events left go to spill)."""
-        await self.flush()
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Flush (for at most ``timeout_s``), stop the background task and close the spill file; events
+        still queued then go to the spill file."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.flush(), timeout_s)
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -244,31 +255,42 @@ class UsageWriter:
         loop = asyncio.get_running_loop()
         next_scan = 0.0
         while True:
-            if not self._db_down and loop.time() >= next_scan:
-                # leftovers of writers that died, found at start and then every SPILL_SCAN_S
-                next_scan = loop.time() + SPILL_SCAN_S
-                if self._spill_files_exist():
-                    await self._try_replay()
-            if not self._buffer:
-                self._idle.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wake.wait(), self.retry_interval_s if self._db_down else self.flush_interval_s
-                )
-            self._wake.clear()
-            if self._db_down:
-                self._spill_events(self._take(len(self._buffer)))
-                await self._try_replay()
-                continue
-            while self._buffer:
-                batch = self._take(self.batch_size)
-                try:
-                    await self._write(batch)
-                except Exception as exc:
-                    log.warning("usage ledger unreachable, spilling %d events: %s", len(batch), exc)
-                    self._db_down = True
-                    self._spill_events(batch + self._take(len(self._buffer)))
-                    break
+            try:
+                if not self._db_down and loop.time() >= next_scan:
+                    # leftovers of writers that died, found at start and then every SPILL_SCAN_S
+                    next_scan = loop.time() + SPILL_SCAN_S
+                    if self._spill_files_exist():
+                        await self._try_replay()
+                await self._round()
+            except Exception:  # keep the writer alive whatever happens; the events stay queued
+                log.exception("usage writer round failed")
+                await asyncio.sleep(self.retry_interval_s)
+
+    async def _round(self) -> None:
+        """Wait for a batch (or the flush interval), then write it, or spill it while the database is away."""
+        if not self._buffer:
+            self._idle.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                self._wake.wait(), self.retry_interval_s if self._db_down else self.flush_interval_s
+            )
+        self._wake.clear()
+        if self._db_down:
+            self._spill_or_keep(self._take(len(self._buffer)))
+            await self._try_replay()
+            return
+        while self._buffer:
+            batch = self._take(self.batch_size)
+            try:
+                await self._write(batch)
+            except asyncio.CancelledError:  # closing while the database hangs: keep the batch on disk
+                self._spill_events(batch)  # (it may be written as well: replay skips what is there)
+                raise
+            except Exception as exc:
+                log.warning("usage ledger unreachable, spilling %d events: %s", len(batch), exc)
+                self._db_down = True
+                self._spill_or_keep(batch + self._take(len(self._buffer)))
+                return
 
     async def _write(self, events: list[Event]) -> None:
         """Write a batch; if the database rejects a value, write the rest and set the bad events aside in
@@ -276,13 +298,16 @@ class UsageWriter:
         try:
             await write_events(self._engine, events)
             return
-        except DataError:
-            pass  # find the bad events one by one
+        except Exception as exc:
+            if not _rejects_values(exc):
+                raise  # an outage (or a missing schema): the caller spills the batch
         for event in events:
             try:
                 await write_events(self._engine, [event])
-            except DataError as exc:
-                log.error("usage event %s rejected by the database: %s", event, exc.orig)
+            except Exception as exc:
+                if not _rejects_values(exc):
+                    raise
+                log.error("usage event %s rejected by the database: %s", event, exc)
                 self.spill_dir.mkdir(parents=True, exist_ok=True)
                 with open(self.spill_dir / "rejected.jsonl.bad", "a") as handle:
                     handle.write(_to_line(event))
@@ -304,23 +329,48 @@ class UsageWriter:
     def _spill_files_exist(self) -> bool:
         return self.spill_dir.is_dir() and any(self.spill_dir.glob("*.jsonl"))
 
-    def _spill_events(self, events: list[Event]) -> None:
+    def _spill_events(self, events: list[Event]) -> bool:
+        """Append events to this writer's spill file and fsync it; ``False`` if the disk failed too."""
         if not events:
-            return
-        if self._spill is None:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-            self._spill_seq += 1
-            path = self.spill_dir / f"usage-{self._token}-{self._spill_seq}.jsonl"
-            self._spill = open(path, "a")  # noqa: SIM115 - held open (and locked) while this writer lives
-            fcntl.flock(self._spill, fcntl.LOCK_EX)
-        self._spill.write("".join(_to_line(e) for e in events))
-        self._spill.flush()
-        os.fsync(self._spill.fileno())
+            return True
+        try:
+            if self._spill is None:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                self._spill_seq += 1
+                path = self.spill_dir / f"usage-{self._token}-{self._spill_seq}.jsonl"
+                self._spill = open(path, "a")  # noqa: SIM115 - held open (and locked) while this writer lives
+                fcntl.flock(self._spill, fcntl.LOCK_EX)
+            self._spill.write("".join(_to_line(e) for e in events))
+            self._spill.flush()
+            os.fsync(self._spill.fileno())
+        except OSError as exc:
+            log.error("cannot spill %d usage events to %s: %s", len(events), self.spill_dir, exc)
+            self._close_spill()  # a torn line stays the last line of its file, where replay skips it
+            return False
+        return True
+
+    def _spill_or_keep(self, events: list[Event]) -> None:
+        """Spill events; if even the disk fails, keep them in memory for the next round."""
+        if not self._spill_events(events):
+            self._buffer.extendleft(reversed(events))
 
     def _close_spill(self) -> None:
         if self._spill is not None:
             self._spill.close()
             self._spill = None
+
+
+def _rejects_values(exc: BaseException) -> bool:
+    """Whether the database refused the values themselves (SQLSTATE class 22 or an argument it cannot
+    encode), as opposed to being unreachable."""
+    for _ in range(4):  # SQLAlchemy's error -> the adapter's error -> asyncpg's
+        if isinstance(exc, asyncpg.exceptions.DataError | sa_exc.DataError):
+            return True
+        cause = getattr(exc, "orig", None) or exc.__cause__
+        if cause is None:
+            return False
+        exc = cause
+    return False
 
 
 def _read_events(handle: IO[str], path: Path) -> list[Event]:

@@ -156,3 +156,20 @@ def test_bad_events_are_refused_at_once():
     writer = UsageWriter(create_engine("postgresql://postgres@/x?host=/nonexistent"))
     with pytest.raises(ValueError):
         writer.record_shed(1, "boredom")
+
+
+async def test_a_value_the_database_refuses_cannot_block_the_ledger(db_engine, tmp_path):
+    poisoned = make_event(1)
+    object.__setattr__(poisoned, "model", "bad\x00model")  # gets past validation only by force
+    writer = UsageWriter(db_engine, spill_dir=tmp_path / "spill", flush_interval_s=0.01)
+    writer.submit(make_event(0))
+    writer.submit(poisoned)
+    writer.submit(make_event(2))
+    await writer.flush()
+    assert writer.database_reachable
+    writer.submit(make_event(3))
+    await writer.close()
+    assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in (0, 2, 3)]
+    rejected = (tmp_path / "spill" / "rejected.jsonl.bad").read_text().splitlines()
+    assert len(rejected) == 1 and poisoned.request_id in rejected[0]
+    assert not list((tmp_path / "spill").glob("*.jsonl"))
