@@ -16,7 +16,7 @@ from tenants.models import TENANT_STATUSES, api_keys, quota_state, quotas, tenan
 from tenants.records import ApiKey, Conflict, InvalidValue, NotFound, Quotas, Tenant, check_positive
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_TENANT_FIELDS = ("weight", "ttft_target_s", "tpot_target_s")
+_TENANT_FIELDS = {"weight": "weight", "ttft_target_s": "TTFT target (s)", "tpot_target_s": "TPOT target (s)"}
 _QUOTA_FIELDS = tuple(f.name for f in fields(Quotas))
 
 TENANT_COLUMNS = (
@@ -59,11 +59,11 @@ def _key_from_row(row: Any) -> ApiKey:
 
 
 def _check_tenant_values(values: dict[str, Any]) -> None:
-    for name in _TENANT_FIELDS:
+    for name, label in _TENANT_FIELDS.items():
         if name in values:
             if values[name] is None:
-                raise InvalidValue(f"{name.replace('_', ' ')} cannot be empty")
-            check_positive(name.replace("_", " "), values[name])
+                raise InvalidValue(f"{label} needs a number")
+            check_positive(label, values[name])
 
 
 def _select_tenants() -> sa.Select:

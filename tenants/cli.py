@@ -212,8 +212,6 @@ def _tenant_create(args: argparse.Namespace) -> int:
 
     quota = _options("tenant create", args, _QUOTA_OPTIONS)
     settings = _options("tenant create", args, _TENANT_OPTIONS)
-    if any(v is None for v in settings.values()):
-        raise _fail("tenant create", "--weight and the targets need a number")
 
     async def body(engine: AsyncEngine) -> int:
         tenant = await create_tenant(engine, args.name, quota=Quotas(**quota), **settings)
