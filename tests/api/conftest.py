@@ -18,7 +18,7 @@ from tenants.db import with_database
 from tests.api.server import ApiServer, run_db
 from tests.fixtures.database import run_admin
 
-CLIENT_TIMEOUT_S = 2.0
+CLIENT_TIMEOUT_S = 3.0
 READY_DEADLINE_S = 120.0
 
 

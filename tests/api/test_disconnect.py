@@ -22,6 +22,17 @@ def _model(server: ApiServer) -> str:
     return httpx.get(f"{server.base_url}/readyz").json()["model"]
 
 
+def _long_request(server: ApiServer, stream: bool) -> dict:
+    """A greedy request that would run for LONG tokens."""
+    return {
+        "model": _model(server),
+        "prompt": "Once upon a time",
+        "max_tokens": LONG,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
 def _assert_settled(server: ApiServer, key: str) -> None:
     """With max_concurrency=1, a new request only passes once the previous reservation was settled."""
     client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
@@ -33,7 +44,7 @@ async def test_disconnect_mid_stream_frees_blocks_and_bills_partial(
     api_server: ApiServer, make_tenant
 ) -> None:
     tenant_id, key = make_tenant(max_concurrency=1)
-    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    body = _long_request(api_server, stream=True)
     headers = {"Authorization": f"Bearer {key}"}
     chunks = []
     async with (
@@ -57,7 +68,7 @@ async def test_disconnect_mid_stream_frees_blocks_and_bills_partial(
 
 def test_disconnect_while_waiting_for_a_whole_answer(api_server: ApiServer, make_tenant) -> None:
     tenant_id, key = make_tenant(max_concurrency=1)
-    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG}
+    body = _long_request(api_server, stream=False)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{api_server.v1}/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=1.0
@@ -75,9 +86,7 @@ def test_non_reading_client_is_dropped_while_others_keep_streaming(
     slow_tenant, slow_key = make_tenant()
     _, fast_key = make_tenant()
     address = urlsplit(api_server.base_url)
-    body = json.dumps(
-        {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
-    ).encode()
+    body = json.dumps(_long_request(api_server, stream=True)).encode()
     request = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {slow_key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -92,12 +101,13 @@ def test_non_reading_client_is_dropped_while_others_keep_streaming(
         stream = client.completions.create(
             model=_model(api_server),
             prompt="Hello",
-            max_tokens=100,
+            max_tokens=50,
+            temperature=0,
             stream=True,
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
-        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 100
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 50
         dropped = api_server.usage_rows(slow_tenant)
         assert dropped == [], "the other stream finished while the stalled client was still connected"
 
@@ -120,7 +130,7 @@ async def test_disconnect_storm_leaves_no_block_reservation_or_record_behind(
 ) -> None:
     storm = 20
     tenant_id, key = make_tenant(max_concurrency=storm, ttft_target_s=120)
-    body = {"model": _model(api_server), "prompt": "Once upon a time", "max_tokens": LONG, "stream": True}
+    body = _long_request(api_server, stream=True)
     headers = {"Authorization": f"Bearer {key}"}
 
     async def leave_early(http: httpx.AsyncClient, after_chunks: int) -> None:
