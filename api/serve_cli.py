@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-cache-memory", type=int, metavar="MIB", help="KV cache size in MiB")
     serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
     serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
-    serve.add_argument("--policy", choices=("fcfs", "fair"), help="scheduling policy")
+    serve.add_argument("--policy", help="scheduling policy (default: fcfs)")
     serve.add_argument(
         "--max-waiting",
         type=int,
@@ -74,6 +74,15 @@ def _serve(args: argparse.Namespace) -> int:
         "max_body_bytes",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
+    from engine.config import EngineConfig
+    from engine.policies import POLICIES
+
+    if args.policy is not None and args.policy not in POLICIES:
+        raise SystemExit(f"weir serve: error: --policy must be one of {', '.join(sorted(POLICIES))}")
+    try:
+        EngineConfig(**_engine_options(args))
+    except ValueError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
     if not 0 < args.port < 65536:
         raise SystemExit(f"weir serve: error: --port must be in 1..65535, got {args.port}")
 
