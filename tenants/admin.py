@@ -13,7 +13,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tenants.keys import hash_secret, new_secret, secret_prefix
 from tenants.models import TENANT_STATUSES, api_keys, quota_state, quotas, tenants
-from tenants.records import ApiKey, Conflict, InvalidValue, NotFound, Quotas, Tenant, check_positive
+from tenants.records import (
+    ApiKey,
+    Conflict,
+    InvalidValue,
+    NotFound,
+    Quotas,
+    Tenant,
+    check_positive,
+    from_row,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TENANT_FIELDS = {"weight": "weight", "ttft_target_s": "TTFT target (s)", "tpot_target_s": "TPOT target (s)"}
@@ -35,27 +44,7 @@ TENANT_COLUMNS = (
 
 
 def tenant_from_row(row: Any) -> Tenant:
-    return Tenant(
-        id=row.id,
-        name=row.name,
-        weight=row.weight,
-        status=row.status,
-        ttft_target_s=row.ttft_target_s,
-        tpot_target_s=row.tpot_target_s,
-        quotas=Quotas.from_row(row),
-        created_at=row.created_at,
-    )
-
-
-def _key_from_row(row: Any) -> ApiKey:
-    return ApiKey(
-        id=row.id,
-        tenant_id=row.tenant_id,
-        prefix=row.prefix,
-        created_at=row.created_at,
-        revoked_at=row.revoked_at,
-        last_used_at=row.last_used_at,
-    )
+    return from_row(Tenant, row, quotas=from_row(Quotas, row))
 
 
 def _check_tenant_values(values: dict[str, Any]) -> None:
@@ -152,7 +141,7 @@ async def update_tenant(engine: AsyncEngine, ref: str | int, **changes: Any) -> 
     async with engine.begin() as conn:
         tenant_id = await _tenant_id(conn, ref)
         current = (await conn.execute(sa.select(quotas).where(quotas.c.tenant_id == tenant_id))).first()
-        merged = Quotas.from_row(current) if current is not None else Quotas()
+        merged = from_row(Quotas, current) if current is not None else Quotas()
         Quotas(**{**_quota_values(merged), **quota_changes})  # validates
         tenant_changes = {k: v for k, v in changes.items() if k in _TENANT_FIELDS}
         await conn.execute(
@@ -193,7 +182,7 @@ async def create_key(engine: AsyncEngine, tenant_ref: str | int) -> tuple[ApiKey
                 .returning(*api_keys.c)
             )
         ).one()
-    return _key_from_row(row), secret
+    return from_row(ApiKey, row), secret
 
 
 async def list_keys(engine: AsyncEngine, tenant_ref: str | int) -> list[ApiKey]:
@@ -204,7 +193,7 @@ async def list_keys(engine: AsyncEngine, tenant_ref: str | int) -> list[ApiKey]:
                 sa.select(api_keys).where(api_keys.c.tenant_id == tenant_id).order_by(api_keys.c.id)
             )
         ).all()
-    return [_key_from_row(row) for row in rows]
+    return [from_row(ApiKey, row) for row in rows]
 
 
 async def revoke_key(engine: AsyncEngine, key_id: int) -> ApiKey:
@@ -220,4 +209,4 @@ async def revoke_key(engine: AsyncEngine, key_id: int) -> ApiKey:
         ).first()
     if row is None:
         raise NotFound(f"no key with id {key_id}")
-    return _key_from_row(row)
+    return from_row(ApiKey, row)

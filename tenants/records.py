@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 
 class TenantsError(Exception):
@@ -39,10 +39,6 @@ class Quotas:
         check_positive("monthly budget", self.monthly_budget, allow_zero=True)
         check_positive("max output tokens", self.max_output_tokens, integer=True)
 
-    @classmethod
-    def from_row(cls, row: Any) -> Quotas:
-        return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})
-
 
 @dataclass(frozen=True)
 class Tenant:
@@ -74,6 +70,14 @@ class ApiKey:
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+
+_Record = TypeVar("_Record", "Quotas", "Tenant", "ApiKey")
+
+
+def from_row(cls: type[_Record], row: Any, **given: Any) -> _Record:
+    """A record built from the row's attributes of the same names (``given`` ones excepted)."""
+    return cls(**{f.name: getattr(row, f.name) for f in fields(cls) if f.name not in given}, **given)
 
 
 def check_positive(
