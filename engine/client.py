@@ -129,7 +129,7 @@ class AsyncEngine:
             raise RuntimeError("the engine is stopped")
         if request_id in self._slots:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        core.check_request(request_id, prompt_token_ids, params)
+        core.check_request(prompt_token_ids, params)
         slot = _OutputSlot(asyncio.get_running_loop())
         self._slots[request_id] = slot
         self._submitted_prompt_tokens[request_id] = len(prompt_token_ids)

@@ -118,7 +118,7 @@ class EngineCore:
         core.model_name = model_dir.name
         return core
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine cannot take (a too long prompt ends with an error)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -140,7 +140,7 @@ class EngineCore:
         """Queue a request; its outputs come from the following ``step()`` calls."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        self.check_request(request_id, prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params)
         from engine.tokenizer import IncrementalDetokenizer
 
         seq = Sequence(

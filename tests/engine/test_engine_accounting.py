@@ -73,6 +73,8 @@ def test_aborted_request_frees_its_blocks_before_the_next_step(tiny_model_dir: P
     core.add_request("drop", prompts[1], SamplingParams(temperature=0, max_tokens=50))
     core.step()
     core.step()
+    with pytest.raises(ValueError, match="already in the engine"):
+        core.add_request("keep", prompts[1], SamplingParams())
     held = len(core.kv.block_tables["drop"])
     free_before = core.kv.num_free_blocks
     assert core.abort("drop") and not core.abort("drop")
@@ -116,6 +118,10 @@ async def test_cancelled_consumer_aborts_and_slow_consumer_gets_merged_deltas(ti
         assert len(first.token_ids) + len(rest.token_ids) == rest.output_tokens == 64
         assert len(rest.token_ids) == len(rest.token_times) > 1  # several steps' deltas merged into one
         assert engine.stats().kv_blocks_free == total
+        with pytest.raises(ValueError, match="no tokens"):
+            await anext(engine.generate("empty", [], SamplingParams()))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await anext(engine.generate("bad", [1, 10**9], SamplingParams()))
 
 
 def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path) -> None:
