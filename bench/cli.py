@@ -83,6 +83,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the load against `transformers serve --continuous-batching` started here",
     )
     parser.add_argument(
+        "--transformers-kv-mib",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="KV cache of transformers serve in MiB (default 1024, the size of Weir's default)",
+    )
+    parser.add_argument(
         "--transformers-port", type=int, metavar="PORT", help="its port (default: a free one)"
     )
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")

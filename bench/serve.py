@@ -19,6 +19,8 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from bench.http_load import LoadRequest, poisson_arrivals, run_load, served_model
 from bench.latency import summarize
 from bench.report import format_table, progress, write_json
@@ -69,7 +71,12 @@ def build_load(tokenizer, spec: WorkloadSpec, rate: float, keys: list[str | None
 
 async def _bench_system(name: str, base_url: str, load: list[LoadRequest], args) -> dict:
     """Warm the server up with one short request, then run the load and summarize it."""
-    model = args.model_name or await served_model(base_url, load[0].api_key)
+    try:
+        model = args.model_name or await served_model(base_url, load[0].api_key)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise SystemExit(
+            f"weir bench serve: error: {name} at {base_url}: cannot list models ({exc})"
+        ) from None
     warm = [LoadRequest(0.0, load[0].prompt, 4, load[0].api_key)]
     await run_load(base_url, model, warm)
 
@@ -104,13 +111,19 @@ def run(args: argparse.Namespace) -> dict:
     targets = {args.name: args.base_url}
     with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
         if args.compare_transformers:
-            from bench.peer_server import free_port, transformers_server
+            from bench.peer_server import PeerServerError, free_port, transformers_server
 
-            port = args.transformers_port or free_port()
-            progress(f"starting transformers serve --continuous-batching on port {port} ({model_dir})")
-            with transformers_server(model_dir, port, bench_device(), Path(tmp) / "transformers.log") as url:
-                targets[PEER] = url
-                sweep = _sweep(targets, tokenizer, spec, keys, args)
+            log = Path(tmp) / "transformers.log"
+            try:
+                port = free_port(args.transformers_port or 0)
+                progress(f"starting transformers serve --continuous-batching on port {port} ({model_dir})")
+                with transformers_server(
+                    model_dir, port, bench_device(), args.transformers_kv_mib << 20, log
+                ) as url:
+                    targets[PEER] = url
+                    sweep = _sweep(targets, tokenizer, spec, keys, args)
+            except PeerServerError as exc:
+                raise SystemExit(f"weir bench serve: error: {exc}") from None
         else:
             sweep = _sweep(targets, tokenizer, spec, keys, args)
     reference = PEER if args.compare_transformers else args.name
