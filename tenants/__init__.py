@@ -30,7 +30,7 @@ Public API (stable; import from the submodules):
     ``TenantSuspended`` (all ``AuthError`` with ``.reason``); results are cached for ``ttl_s``;
     ``await close()`` writes pending ``last_used_at``.
 ``tenants.quotas``
-    ``QuotaManager(engine, lease_s=30.0, sync_interval_s=0.05)``, one per process:
+    ``QuotaManager(engine, lease_s=10.0, sync_interval_s=0.05)``, one per process:
     ``await reserve(tenant_id, worst_case_cost) -> Reservation | Refusal`` (Refusal: reason
     ``rate|concurrency|budget``, limit, remaining, retry_after_s (``None``: retrying cannot help), reset_s),
     ``settle(reservation, actual_cost) -> bool`` and ``release(reservation) -> bool`` (no I/O, idempotent),

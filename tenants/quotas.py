@@ -24,7 +24,7 @@ Bounds:
   (even for the budget) while other processes hold unused slices. Each holds at most what it reserved
   in the last ~1 s, taken in grants of at most a tenth of what remained; once its demand stops, the
   smoothed demand halves every sync interval, so the slice goes back within a few intervals (~0.3 s).
-- A dead process: after ``lease_s`` (30 s) its lease (free slice and in-flight reservations) is given
+- A dead process: after ``lease_s`` (10 s) its lease (free slice and in-flight reservations) is given
   back; settled cost it had not yet reported (at most one sync interval's worth) is given back with it.
   A live process cut off from the database for longer than ``lease_s`` is treated the same way, and
   may then grant once more what it still holds locally.
@@ -165,7 +165,7 @@ class QuotaManager:
         self,
         engine: AsyncEngine,
         *,
-        lease_s: float = 30.0,
+        lease_s: float = 10.0,
         sync_interval_s: float = 0.05,
         holder: str | None = None,
     ) -> None:
