@@ -114,7 +114,7 @@ async def test_two_processes_never_exceed_the_allowance(db_engine, database_url)
 
 async def test_dead_holder_is_reclaimed_after_its_lease(db_engine, database_url):
     tenant = await create_tenant(db_engine, "acme", quota=Quotas(max_concurrency=2))
-    holder = _spawn(database_url, "hold", str(tenant.id), "2", "1.0")
+    holder = _spawn(database_url, "hold", str(tenant.id), "2", "3.0")  # a 3 s lease
     assert holder.stdout.readline().strip() == "holding"
     holder.kill()
     holder.wait()
@@ -122,7 +122,7 @@ async def test_dead_holder_is_reclaimed_after_its_lease(db_engine, database_url)
     first = await manager.reserve(tenant.id, 1.0)
     assert isinstance(first, Refusal) and first.reason == "concurrency"
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
+    deadline = loop.time() + 20
     while not isinstance(result := await manager.reserve(tenant.id, 1.0), Reservation):
         assert loop.time() < deadline, "dead holder's slots never reclaimed"
         await asyncio.sleep(0.1)
