@@ -81,17 +81,16 @@ async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_pa
     await writer.flush()
     assert len(await _ids(engine)) == 100
 
-    async def produce(first: int, count: int) -> None:
-        for n in range(first, first + count):
-            writer.submit(make_event(n))
-            if n % 5 == 0:
-                await asyncio.sleep(0.002)
-
-    producing = asyncio.create_task(produce(100, 400))
-    await asyncio.sleep(0.05)
-    await asyncio.to_thread(server.stop)  # mid-write
-    await _wait_for(lambda: not writer.database_reachable, "the writer to notice the outage")
-    await producing
+    # keep writing while the server stops, until the writer has met the outage, and a while after
+    stopping = asyncio.create_task(asyncio.to_thread(server.stop))
+    total = 100
+    deadline = asyncio.get_running_loop().time() + 30
+    while not stopping.done() or writer.database_reachable or total < 600:
+        writer.submit(make_event(total))
+        total += 1
+        assert asyncio.get_running_loop().time() < deadline, "the writer never noticed the outage"
+        await asyncio.sleep(0.001)
+    await stopping
     await writer.flush()
     assert writer.pending == 0
     assert any((tmp_path / "spill").glob("*.jsonl")), "events during the outage should be spilled"
@@ -100,12 +99,12 @@ async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_pa
     await asyncio.to_thread(server.start)
 
     async def all_written() -> bool:
-        return len(await _ids(engine)) >= 500 and writer.database_reachable
+        return len(await _ids(engine)) >= total and writer.database_reachable
 
     await _wait_for(all_written, "replay after the restart")
     await writer.close()
     ids = await _ids(engine)
-    assert sorted(ids) == [make_event(n).request_id for n in range(500)]
+    assert sorted(ids) == [make_event(n).request_id for n in range(total)]
     assert not list((tmp_path / "spill").glob("*.jsonl"))
     await engine.dispose()
 
