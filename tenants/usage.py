@@ -5,7 +5,14 @@ file). A background task writes batches (by size or every ``flush_interval_s``) 
 ``INSERT ... ON CONFLICT DO NOTHING`` on the event's id, so a replayed event is never counted twice. When
 the database cannot be reached, batches are appended (and fsynced) to a spill file under
 ``<state dir>/spill``; spill files are replayed when the writer starts and when the database returns,
-including files left by a writer process that died (a live writer holds a lock on its own file).
+including files left by a writer process that died (a live writer holds a lock on its own file; others
+are looked for every ``SPILL_SCAN_S``). A file is deleted only after all its events are written.
+
+What can still be lost: events submitted but neither written nor spilled when the process is killed
+(at most ``flush_interval_s`` of them while the database is up, ``retry_interval_s`` while it is away),
+and events when the database and the disk fail together (logged). An event the database refuses for its
+values (it passed validation, yet PostgreSQL rejects it) is set aside in ``spill/rejected.jsonl.bad`` with
+an error in the log, so that it cannot block the ledger.
 """
 
 from __future__ import annotations
