@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,12 +23,12 @@ from engine.policies import make_policy
 from engine.sampler import StopStringMatcher, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_time import StepTimeModel
 from engine.types import EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger("weir.engine")
 
 RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
-DEFAULT_TOKENS_PER_S = 500.0  # assumed step throughput before the first step is measured
 
 
 @dataclass(eq=False)
@@ -78,9 +78,9 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._steps = 0
-        self._window: deque[tuple[float, int, int]] = deque()  # (step end, output tokens, prompt tokens)
+        self._window: deque[tuple[float, int, int]] = deque()  # (step start, output tokens, prompt tokens)
         self._window_sums = [0, 0]
-        self._step_tokens_per_s = DEFAULT_TOKENS_PER_S
+        self._step_time = StepTimeModel()
         self._queued_prefill: dict[str, int] = {}
         self._stats = self._snapshot()
 
@@ -186,7 +186,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return a delta for every request that produced tokens or ended."""
         outputs, self._aborted = self._aborted, []
-        started = time.perf_counter()
+        started = time.monotonic()
         plan = self.scheduler.schedule()
         for seq in plan.rejected:
             del self._requests[seq.request_id]
@@ -199,12 +199,10 @@ class EngineCore:
             now = time.monotonic()
             outputs.extend(self._advance(r, token, now) for r, token in zip(requests, tokens, strict=True))
             new_tokens = len(tokens)
-            elapsed = time.perf_counter() - started
-            if plan.num_prefill_tokens:
-                rate = plan.batch.num_tokens / max(elapsed, 1e-6)
-                self._step_tokens_per_s = 0.7 * self._step_tokens_per_s + 0.3 * rate
+            if self._steps:  # the first step carries one-time warm-up costs
+                self._step_time.observe(plan.batch.num_tokens, time.monotonic() - started)
             self._steps += 1
-            self._record(new_tokens, plan.num_prefill_tokens)
+            self._record(started, new_tokens, plan.num_prefill_tokens)
         self._refresh()
         return outputs
 
@@ -249,9 +247,9 @@ class EngineCore:
             error=seq.error,
         )
 
-    def _record(self, output_tokens: int, prompt_tokens: int) -> None:
+    def _record(self, started: float, output_tokens: int, prompt_tokens: int) -> None:
         now = time.monotonic()
-        self._window.append((now, output_tokens, prompt_tokens))
+        self._window.append((started, output_tokens, prompt_tokens))
         self._window_sums[0] += output_tokens
         self._window_sums[1] += prompt_tokens
         while self._window and self._window[0][0] < now - RATE_WINDOW_S:
@@ -281,12 +279,17 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe to read from another thread)."""
-        return self._stats
+        stats = self._stats
+        window = self._window
+        if window and time.monotonic() - window[-1][0] > RATE_WINDOW_S:  # idle for a whole window
+            return replace(stats, tokens_per_s=0.0, prompt_tokens_per_s=0.0)
+        return stats
 
     def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default", extra_queued: int = 0) -> float:
-        """Rough seconds until a new request's first token: prefill work ahead of it / recent step rate."""
+        """Rough seconds to a new request's first token: its prefill and the prefill ahead of it."""
         ahead = self.scheduler.policy.tokens_ahead(self._queued_prefill, tenant_id) + extra_queued
-        return (ahead + prompt_tokens) / self._step_tokens_per_s
+        budget = self.scheduler.max_batched_tokens
+        return self._step_time.time_for(ahead + max(prompt_tokens, 1), self._stats.running, budget)
 
 
 def generate_offline(
