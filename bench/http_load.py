@@ -57,7 +57,10 @@ async def stream_completion(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                _read_event(record, json.loads(data))
+                try:
+                    _read_event(record, json.loads(data))
+                except (ValueError, AttributeError) as exc:
+                    record.error = f"malformed stream event {data[:80]!r}: {exc}"
                 if record.error:
                     return record
             record.done = time.perf_counter()
