@@ -60,7 +60,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests", type=int, default=32, metavar="N", help="requests per rate (default 32)"
     )
-    parser.add_argument("--tenants", type=int, default=1, metavar="K", help="spread requests over K keys")
+    parser.add_argument(
+        "--tenants", type=int, metavar="K", help="deal requests over the first K keys (default: all keys)"
+    )
     parser.add_argument("--keys", metavar="FILE", help="API keys, one per line")
     parser.add_argument("--seed", type=int, default=0, metavar="S")
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")

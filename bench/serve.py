@@ -8,7 +8,7 @@ Each rate runs against ``--base-url`` (named ``--name``, default ``weir``) and, 
 with the same model directory. The comparison rate is the lowest one at which the reference system (the
 peer when there is one) meets its SLO for fewer than ``--slo-attainment`` of requests — the load where it
 starts missing its SLO — or the highest rate when it never misses. Requests are greedy completions of
-random real-token prompts (which do not end early) capped by ``max_tokens``; each system's mean output length
+random real-token prompts (which do not end early) capped by ``max_tokens``; each system's output token total
 and count of requests ended by EOS are reported so that equal work can be checked.
 """
 
@@ -29,10 +29,10 @@ from bench.workload import FULL, QUICK, WorkloadSpec, make_workload, ordinary_to
 PEER = "transformers_serve"
 
 
-def read_keys(path: str | None, tenants: int) -> list[str | None]:
-    """The first ``tenants`` keys of the file (one per line, ``#`` comments), or no key at all."""
+def read_keys(path: str | None, tenants: int | None) -> list[str | None]:
+    """The first ``tenants`` keys of the file (all when None; one per line, ``#`` comments), or no key."""
     if path is None:
-        if tenants > 1:
+        if tenants is not None and tenants > 1:
             raise SystemExit(
                 "weir bench serve: error: --tenants above 1 needs --keys FILE (one key per tenant)"
             )
@@ -42,7 +42,9 @@ def read_keys(path: str | None, tenants: int) -> list[str | None]:
     except OSError as exc:
         raise SystemExit(f"weir bench serve: error: cannot read --keys {path}: {exc.strerror}") from None
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if len(keys) < tenants:
+    if not keys:
+        raise SystemExit(f"weir bench serve: error: --keys {path} holds no key")
+    if tenants is not None and len(keys) < tenants:
         raise SystemExit(f"weir bench serve: error: --tenants {tenants} but {path} holds {len(keys)} key(s)")
     return keys[:tenants]
 
@@ -230,7 +232,7 @@ def render(result: dict, name: str) -> str:
 def check_arguments(args: argparse.Namespace) -> None:
     if args.requests < 1:
         raise SystemExit("weir bench serve: error: --requests must be at least 1")
-    if args.tenants < 1:
+    if args.tenants is not None and args.tenants < 1:
         raise SystemExit("weir bench serve: error: --tenants must be at least 1")
     if any(r <= 0 for r in args.rate):
         raise SystemExit("weir bench serve: error: --rate values must be positive")

@@ -28,11 +28,15 @@ def test_keys_file_gives_one_key_per_tenant(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("# demo keys\nwk-a\n\nwk-b\nwk-c\n")
     assert read_keys(str(path), 2) == ["wk-a", "wk-b"]
+    assert read_keys(str(path), None) == ["wk-a", "wk-b", "wk-c"]
     assert read_keys(None, 1) == [None]
     with pytest.raises(SystemExit, match="holds 3 key"):
         read_keys(str(path), 4)
     with pytest.raises(SystemExit, match="needs --keys"):
         read_keys(None, 2)
+    (tmp_path / "empty.txt").write_text("# none yet\n")
+    with pytest.raises(SystemExit, match="holds no key"):
+        read_keys(str(tmp_path / "empty.txt"), None)
     with pytest.raises(SystemExit, match="cannot read"):
         read_keys(str(tmp_path / "missing.txt"), 1)
 
