@@ -129,3 +129,31 @@ async def test_dead_holder_is_reclaimed_after_its_lease(db_engine, database_url)
     manager.settle(result, 1.0)
     await manager.close()
     assert (await _state(db_engine, tenant.id)).in_flight == 0
+
+
+async def _age_state(engine, tenant_id: int, assignment: str) -> None:
+    """Move the tenant's bucket clock or budget period into the past, as if time had passed."""
+    async with engine.begin() as conn:
+        statement = sa.text(f"UPDATE quota_state SET {assignment} WHERE tenant_id = :t")
+        await conn.execute(statement, {"t": tenant_id})
+
+
+async def test_bucket_refills_with_time_and_budget_resets_each_month(db_engine):
+    tenant = await create_tenant(db_engine, "acme", quota=Quotas(cost_per_minute=600, monthly_budget=1000))
+    manager = QuotaManager(db_engine)
+    spent = await manager.reserve(tenant.id, 600.0)
+    assert isinstance(spent, Reservation)
+    manager.settle(spent, 600.0)
+    assert (await manager.reserve(tenant.id, 250.0)).reason == "rate"
+    await manager.sync(close=True)
+    await _age_state(db_engine, tenant.id, "bucket_updated_at = bucket_updated_at - interval '30 seconds'")
+    refilled = await manager.reserve(tenant.id, 250.0)  # 30 s at 10 per second
+    assert isinstance(refilled, Reservation)
+    manager.settle(refilled, 250.0)
+    await manager.sync(close=True)
+    await _age_state(db_engine, tenant.id, "bucket_updated_at = bucket_updated_at - interval '1 minute'")
+    refusal = await manager.reserve(tenant.id, 200.0)
+    assert isinstance(refusal, Refusal) and refusal.reason == "budget" and abs(refusal.remaining - 150) < 1e-6
+    await _age_state(db_engine, tenant.id, "period_start = period_start - interval '1 month'")
+    assert isinstance(await manager.reserve(tenant.id, 200.0), Reservation)  # a new month
+    await manager.close()
