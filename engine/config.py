@@ -45,6 +45,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_num_seqs > self.max_batched_tokens:
+            raise ValueError("max_num_seqs must not exceed max_batched_tokens: each running sequence decodes")
 
     def resolved_state_dir(self) -> Path:
         from engine.weights import state_dir_from_env

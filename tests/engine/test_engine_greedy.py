@@ -19,7 +19,7 @@ TINY_NEW_TOKENS = 12
 SMOL_NEW_TOKENS = 10
 SETUPS = {
     "whole-prompts": {},
-    "chunks-of-16": {"prefill_chunk_size": 16, "max_batched_tokens": 40},
+    "chunks-of-16": {"prefill_chunk_size": 16, "max_batched_tokens": 40, "max_num_seqs": 16},
     "tiny-kv-pool": {"num_kv_blocks": 24, "block_size": 4, "prefill_chunk_size": 16},
 }
 SMOL_SETUPS = {

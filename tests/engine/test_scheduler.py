@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.policies import FCFSPolicy
+from engine.policies import FCFSPolicy, make_policy
 from engine.scheduler import ScheduledStep, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import SamplingParams
@@ -114,3 +117,17 @@ def test_higher_priority_is_admitted_first_and_preempted_last() -> None:
     scheduler.max_num_seqs = 2
     step(scheduler)  # low is admitted next to high
     assert scheduler.policy.pick_victim(scheduler.running) is low
+
+
+def test_engine_config_refuses_bad_limits_with_a_clear_message() -> None:
+    for kwargs, message in [
+        ({"device": "tpu"}, "device"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory"),
+        ({"num_kv_blocks": -1}, "num_kv_blocks"),
+        ({"max_batched_tokens": 32}, "max_num_seqs must not exceed"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        make_policy("lifo")
