@@ -225,5 +225,5 @@ def paged_attention(
             scale=plan.scale,
             enable_gqa=group_size > 1,
         )
-        out[rows] = result.squeeze(0).transpose(0, 1).reshape(chunk.length, num_heads * head_dim)
+        out[rows].view(chunk.length, num_heads, head_dim).copy_(result.squeeze(0).transpose(0, 1))
     return out

@@ -99,7 +99,7 @@ class PagedLlama:
         hidden.add_(F.linear(attn, layer.out, layer.out_bias))
         x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return hidden.add_(F.linear(F.silu(gate).mul_(up), layer.down, layer.down_bias))
+        return hidden.add_(F.linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias))
 
 
 def load_model(
