@@ -172,11 +172,29 @@ def _plan_prefill(
     )
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The listed blocks of one layer's cache, in order: [len(block_ids) * block_size, kv_heads, head_dim]."""
-    num_slots, kv_heads, head_dim = cache.shape
-    blocks = cache.view(num_slots // block_size, block_size * kv_heads * head_dim).index_select(0, block_ids)
-    return blocks.view(-1, kv_heads, head_dim)
+class GatherBuffers:
+    """Reusable memory for gathered keys and values, grown on demand and kept across layers and steps."""
+
+    def __init__(self) -> None:
+        self._keys = torch.empty(0)
+        self._values = torch.empty(0)
+
+    def gather(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The listed blocks' keys and values, in order, each [len(block_ids) * block_size, kv_heads, dim]."""
+        num_slots, kv_heads, head_dim = key_cache.shape
+        row = block_size * kv_heads * head_dim
+        needed = block_ids.numel() * row
+        if self._keys.numel() < needed or self._keys.dtype != key_cache.dtype:
+            self._keys = key_cache.new_empty(needed)
+            self._values = value_cache.new_empty(needed)
+        out = []
+        for cache, buffer in ((key_cache, self._keys), (value_cache, self._values)):
+            blocks = buffer[:needed].view(block_ids.numel(), row)
+            torch.index_select(cache.view(num_slots // block_size, row), 0, block_ids, out=blocks)
+            out.append(blocks.view(-1, kv_heads, head_dim))
+        return out[0], out[1]
 
 
 def paged_attention(
@@ -187,6 +205,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     block_size: int,
     plan: AttentionPlan,
+    buffers: GatherBuffers,
 ) -> torch.Tensor:
     """Attention output [T, heads * head_dim] for the step's queries ``q`` [T, heads, head_dim].
 
@@ -197,8 +216,7 @@ def paged_attention(
     group_size = num_heads // kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in plan.decodes:
-        keys = _gather(key_cache, group.block_ids, block_size)
-        values = _gather(value_cache, group.block_ids, block_size)
+        keys, values = buffers.gather(key_cache, value_cache, group.block_ids, block_size)
         keys = keys.view(group.count, group.padded_len, kv_heads, head_dim).transpose(1, 2)
         values = values.view(group.count, group.padded_len, kv_heads, head_dim).transpose(1, 2)
         grouped_q = q.index_select(0, group.rows).view(group.count, kv_heads, group_size, head_dim)
@@ -212,8 +230,8 @@ def paged_attention(
         if chunk.block_ids is None:
             keys, values = k[rows], v[rows]
         else:
-            keys = _gather(key_cache, chunk.block_ids, block_size)[: chunk.context_len]
-            values = _gather(value_cache, chunk.block_ids, block_size)[: chunk.context_len]
+            keys, values = buffers.gather(key_cache, value_cache, chunk.block_ids, block_size)
+            keys, values = keys[: chunk.context_len], values[: chunk.context_len]
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         result = F.scaled_dot_product_attention(

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import KVCacheTensors, StepBatch
-from engine.models.attention import AttentionPlan, paged_attention
+from engine.models.attention import AttentionPlan, GatherBuffers, paged_attention
 from engine.models.config import ModelConfig
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
+from engine.models.memory import retain_freed_memory
 from engine.models.rope import Rotary, apply_rotary
 
 
@@ -25,6 +26,7 @@ class PagedLlama:
         self.device = device
         self.dtype = dtype
         self.rotary = Rotary(config, device, dtype)
+        self.gather_buffers = GatherBuffers()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, all layers together, for one block of ``block_size`` tokens."""
@@ -95,7 +97,7 @@ class PagedLlama:
         v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
         key_cache.index_copy_(0, slots, k)
         value_cache.index_copy_(0, slots, v)
-        attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan)
+        attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
         hidden.add_(F.linear(attn, layer.out, layer.out_bias))
         x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
@@ -108,6 +110,7 @@ def load_model(
     """Load a Hugging Face Llama-family directory (config.json + safetensors); ValueError if unsupported."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    retain_freed_memory()
     device = torch.device(device)
     weights = load_weights(model_dir, config, device, dtype)
     return PagedLlama(config, weights, device, dtype)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.batch import StepBatch
-from engine.models.attention import AttentionPlan, paged_attention
+from engine.models.attention import AttentionPlan, GatherBuffers, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -56,7 +56,14 @@ def test_mixed_step_matches_reference(seed: int) -> None:
     plan = AttentionPlan.build(batch, BLOCK, HEAD_DIM, torch.device("cpu"), torch.float32)
     assert len(plan.decodes) > 1
     out = paged_attention(
-        q, key_cache[step_slots], value_cache[step_slots], key_cache, value_cache, BLOCK, plan
+        q,
+        key_cache[step_slots],
+        value_cache[step_slots],
+        key_cache,
+        value_cache,
+        BLOCK,
+        plan,
+        GatherBuffers(),
     )
     start = 0
     for (q_len, ctx), seq_slots in zip(seqs, slots, strict=True):
