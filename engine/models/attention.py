@@ -74,6 +74,8 @@ class AttentionPlan:
                     f"sequence {seq}: query_len {q_len}, context_len {ctx_len}"
                     f" and {len(table)} blocks disagree"
                 )
+        if not 0 <= batch.num_decodes <= count:
+            raise ValueError(f"num_decodes {batch.num_decodes} is not between 0 and {count} sequences")
         if any(q_len != 1 for q_len in batch.query_lens[: batch.num_decodes]):
             raise ValueError("the first num_decodes sequences must have query length 1")
         decodes = _plan_decodes(batch, block_size, device, dtype)
