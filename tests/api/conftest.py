@@ -14,9 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tenants.db import with_database
 from tests.api.server import ApiServer, run_db
-from tests.fixtures.database import run_admin
+from tests.fixtures.database import copy_of_template
 
 CLIENT_TIMEOUT_S = 3.0
 READY_DEADLINE_S = 120.0
@@ -31,12 +30,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def api_database_url(pg_server_url: str, migrated_template: str) -> Iterator[str]:
     """One migrated database for the API suite's server (tests use their own tenants in it)."""
-    name = f"weir_api_{uuid.uuid4().hex[:12]}"
-    run_admin(pg_server_url, f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
-    try:
-        yield with_database(pg_server_url, name)
-    finally:
-        run_admin(pg_server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with copy_of_template(pg_server_url, migrated_template, prefix="weir_api") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
