@@ -107,11 +107,13 @@ async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None
     elif stats.waiting and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free:
         reason = "kv"  # others already wait for memory that this prompt's prefill would need too
     else:
+        # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
+        # size only, the request runs even if it would miss its target alone.
         estimate = runtime.engine.estimate_ttft(prompt_len, str(principal.tenant_id))
         target = principal.tenant.ttft_target_s
-        if estimate > target:
+        if estimate.queued_tokens and estimate.reliable and estimate.seconds > target:
             reason = "slo"
-            retry_after = max(1.0, estimate - target)
+            retry_after = max(1.0, estimate.seconds - target)
     if reason is None:
         return
     await runtime.record_shed(principal, reason)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.types import EngineStats, RequestOutput, SamplingParams
+from engine.types import EngineStats, RequestOutput, SamplingParams, TTFTEstimate
 
 __all__ = ["AsyncEngine", "EngineConfig"]
 
@@ -162,8 +162,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default") -> float:
-        """Rough seconds until a new request's first token, from the prefill work queued ahead of it."""
+    def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default") -> TTFTEstimate:
+        """A new request's predicted time to first token, from the prefill work queued ahead of it
+        (requests submitted but not yet taken in by the engine thread included)."""
         queued = sum(self._submitted_prompt_tokens.values())
         return self.core.estimate_ttft(prompt_tokens, tenant_id, extra_queued=queued)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.batch import KVCacheTensors
+from engine.calibration import calibrate, calibration_shapes
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, num_blocks_for_memory
 from engine.policies import make_policy
@@ -24,11 +25,12 @@ from engine.sampler import StopStringMatcher, make_generator, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_time import StepTimeModel
-from engine.types import EngineStats, RequestOutput, SamplingParams
+from engine.types import EngineStats, RequestOutput, SamplingParams, TTFTEstimate
 
 log = logging.getLogger("weir.engine")
 
 RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
+TTFT_RATIO_WINDOW = 500  # recent requests behind the estimate's error figures in stats
 
 
 @dataclass(eq=False)
@@ -55,6 +57,7 @@ class EngineCore:
         max_model_len: int | None = None,
         policy: str = "fcfs",
         device: torch.device | str = "cpu",
+        calibrate_steps: bool = True,
     ) -> None:
         self.model = model
         self.model_name = "model"
@@ -81,6 +84,11 @@ class EngineCore:
         self._window: deque[tuple[float, int, int]] = deque()  # (step start, output tokens, prompt tokens)
         self._window_sums = [0, 0]
         self._step_time = StepTimeModel()
+        if calibrate_steps:
+            shapes = calibration_shapes(max_batched_tokens, max_num_seqs, self.max_model_len)
+            self._step_time.calibrate(calibrate(model, self.kv, self.kv_tensors, shapes, self.device))
+        self._ttft_ratios: deque[float] = deque(maxlen=TTFT_RATIO_WINDOW)
+        self._ttft_ratio_quantiles: tuple[float | None, float | None] = (None, None)
         self._queued_prefill: dict[str, int] = {}
         self._stats = self._snapshot()
 
@@ -151,6 +159,7 @@ class EngineCore:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
+        seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id).seconds
         self._requests[request_id] = _Request(
             seq,
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
@@ -199,8 +208,7 @@ class EngineCore:
             now = time.monotonic()
             outputs.extend(self._advance(r, token, now) for r, token in zip(requests, tokens, strict=True))
             new_tokens = len(tokens)
-            if self._steps:  # the first step carries one-time warm-up costs
-                self._step_time.observe(plan.batch.num_tokens, time.monotonic() - started)
+            self._step_time.observe(plan.num_prefill_tokens, plan.num_decode_tokens, now - started, now)
             self._steps += 1
             self._record(started, new_tokens, plan.num_prefill_tokens)
         self._refresh()
@@ -212,6 +220,7 @@ class EngineCore:
         self.scheduler.append_token(seq, token)
         if seq.first_token_time is None:
             seq.first_token_time = now
+            self._record_ttft(seq)
         text, hit, reason = "", False, None
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
@@ -257,6 +266,14 @@ class EngineCore:
             self._window_sums[0] -= out
             self._window_sums[1] -= prompt
 
+    def _record_ttft(self, seq: Sequence) -> None:
+        """Keep how far the request's first token came from the estimate made at its arrival."""
+        if not seq.predicted_ttft:
+            return
+        self._ttft_ratios.append((seq.first_token_time - seq.arrival_time) / seq.predicted_ttft)
+        ratios = sorted(self._ttft_ratios)
+        self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _quantile(ratios, 0.9))
+
     def _refresh(self) -> None:
         self._queued_prefill = self.scheduler.queued_prefill_by_tenant()
         self._stats = self._snapshot()
@@ -275,6 +292,8 @@ class EngineCore:
             prompt_tokens_per_s=self._window_sums[1] / span,
             steps=self._steps,
             preemptions=self.scheduler.num_preemptions,
+            ttft_estimate_ratio_p50=self._ttft_ratio_quantiles[0],
+            ttft_estimate_ratio_p90=self._ttft_ratio_quantiles[1],
         )
 
     def stats(self) -> EngineStats:
@@ -285,11 +304,21 @@ class EngineCore:
             return replace(stats, tokens_per_s=0.0, prompt_tokens_per_s=0.0)
         return stats
 
-    def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default", extra_queued: int = 0) -> float:
-        """Rough seconds to a new request's first token: its prefill and the prefill ahead of it."""
+    def estimate_ttft(
+        self, prompt_tokens: int, tenant_id: str = "default", extra_queued: int = 0
+    ) -> TTFTEstimate:
+        """A new request's time to first token: the prefill ahead of it (per the policy) and its own,
+        beside the decodes running now, timed by the step-time model (see ``engine/step_time.py``)."""
         ahead = self.scheduler.policy.tokens_ahead(self._queued_prefill, tenant_id) + extra_queued
+        costs = self._step_time.costs()
         budget = self.scheduler.max_batched_tokens
-        return self._step_time.time_for(ahead + max(prompt_tokens, 1), self._stats.running, budget)
+        seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, budget)
+        return TTFTEstimate(seconds=seconds, queued_tokens=ahead, reliable=costs.reliable)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of a sorted, non-empty list (nearest rank)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def generate_offline(

@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    predicted_ttft: float | None = None  # the engine's estimate when the request arrived
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

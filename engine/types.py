@@ -87,3 +87,15 @@ class EngineStats:
     prompt_tokens_per_s: float
     steps: int
     preemptions: int
+    # actual / predicted time to first token over recent requests (None until a request has started)
+    ttft_estimate_ratio_p50: float | None = None
+    ttft_estimate_ratio_p90: float | None = None
+
+
+@dataclass(frozen=True)
+class TTFTEstimate:
+    """A new request's predicted time to first token and what it rests on."""
+
+    seconds: float
+    queued_tokens: int  # prefill tokens that would be computed before this request's own
+    reliable: bool  # False while the step-time model has not seen prefill steps of several sizes

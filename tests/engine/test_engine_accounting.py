@@ -129,11 +129,17 @@ async def test_cancelled_consumer_aborts_and_slow_consumer_gets_merged_deltas(ti
 
 def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path) -> None:
     core = make_core(tiny_model_dir)
+    assert core.kv.num_free_blocks == core.kv.num_blocks  # the start-up calibration returned its blocks
     empty = core.estimate_ttft(100)
+    assert empty.reliable and empty.queued_tokens == 0  # calibrated at start-up
     for i, prompt in enumerate(random_prompts((300, 200), seed=8)):
         core.add_request(f"q{i}", prompt, SamplingParams(temperature=0, max_tokens=2))
     queued = core.estimate_ttft(100, "someone")
-    assert 0 < empty < queued
+    assert queued.queued_tokens == 500
+    assert 0 < empty.seconds < queued.seconds
     while core.has_unfinished():
         core.step()
-    assert core.estimate_ttft(100) < core.estimate_ttft(600)  # nothing queued any more
+    assert core.estimate_ttft(100).queued_tokens == 0
+    assert core.estimate_ttft(100).seconds < core.estimate_ttft(600).seconds
+    stats = core.stats()
+    assert stats.ttft_estimate_ratio_p50 is not None and stats.ttft_estimate_ratio_p50 > 0
