@@ -153,13 +153,3 @@ def test_spent_budget_is_insufficient_quota_not_retried(api_server: ApiServer, m
     assert refused.value.code == "insufficient_quota" and refused.value.type == "insufficient_quota"
     assert refused.value.response.headers["x-should-retry"] == "false"
     assert api_server.wait_shed_reasons(tenant_id) == ["budget"]  # one attempt: the client did not retry
-
-
-def test_request_beyond_ttft_target_is_shed_503(api_server: ApiServer, make_tenant) -> None:
-    tenant_id, key = make_tenant(ttft_target_s=1e-6)
-    with pytest.raises(openai.InternalServerError) as shed:
-        _client(api_server, key).completions.create(model=_model(api_server), prompt="x", max_tokens=5)
-    assert shed.value.status_code == 503 and shed.value.code == "server_overloaded"
-    assert int(shed.value.response.headers["retry-after"]) >= 1
-    assert api_server.wait_shed_reasons(tenant_id) == ["slo"]
-    assert api_server.usage_rows(tenant_id) == []
