@@ -2,6 +2,10 @@
 
 Heavy imports (SQLAlchemy, asyncpg, Alembic) happen inside the commands. Every user-facing failure is
 one line on stderr and exit status 1.
+
+Ids on the command line are ASCII digits only: ``str.isdigit`` (and ``int``) also take ``١`` or ``²``,
+which would name another key or fail deep inside. A tenant is named by its name or its id (names are
+never only digits). ``weir key revoke TENANT KEY_ID`` names the key's tenant and refuses a key of another.
 """
 
 from __future__ import annotations
@@ -36,6 +40,18 @@ _TENANT_OPTIONS = (
 def _fail(command: str, message: object) -> SystemExit:
     text = " ".join(str(message).split()) or "failed"
     return SystemExit(f"weir {command}: error: {text}")
+
+
+def _id(command: str, what: str, raw: str) -> int:
+    """An id given on the command line: ASCII digits, below 2**63."""
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= 2**63:
+        raise _fail(command, f"{what} must be an id in ASCII digits (0-9), got {raw!r}")
+    return int(raw)
+
+
+def _tenant_ref(command: str, raw: str) -> str | int:
+    """A tenant's id when ``raw`` is all digits (of any script: only ASCII ones pass), else its name."""
+    return _id(command, "TENANT", raw) if raw.isdigit() else raw
 
 
 def _number(command: str, option: str, raw: str, kind: type) -> float | int | None:
@@ -235,8 +251,10 @@ def _tenant_list(args: argparse.Namespace) -> int:
 def _tenant_show(args: argparse.Namespace) -> int:
     from tenants.admin import get_tenant, list_keys
 
+    ref = _tenant_ref("tenant show", args.name)
+
     async def body(engine: AsyncEngine) -> int:
-        tenant = await get_tenant(engine, args.name)
+        tenant = await get_tenant(engine, ref)
         keys = await list_keys(engine, tenant.id)
         print(_tenant_rows([tenant]))
         print()
@@ -249,6 +267,7 @@ def _tenant_show(args: argparse.Namespace) -> int:
 def _tenant_update(args: argparse.Namespace) -> int:
     from tenants.admin import update_tenant
 
+    ref = _tenant_ref("tenant update", args.name)
     changes = {
         **_options("tenant update", args, _QUOTA_OPTIONS),
         **_options("tenant update", args, _TENANT_OPTIONS),
@@ -257,7 +276,7 @@ def _tenant_update(args: argparse.Namespace) -> int:
         raise _fail("tenant update", "nothing to change (give at least one option)")
 
     async def body(engine: AsyncEngine) -> int:
-        print(_tenant_rows([await update_tenant(engine, args.name, **changes)]))
+        print(_tenant_rows([await update_tenant(engine, ref, **changes)]))
         return 0
 
     return _run("tenant update", body)
@@ -269,8 +288,10 @@ def _tenant_status(status: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         from tenants.admin import set_tenant_status
 
+        ref = _tenant_ref(command, args.name)
+
         async def body(engine: AsyncEngine) -> int:
-            tenant = await set_tenant_status(engine, args.name, status)
+            tenant = await set_tenant_status(engine, ref, status)
             print(f"tenant {tenant.name} is {tenant.status}")
             return 0
 
@@ -285,8 +306,10 @@ def _tenant_status(status: str) -> Callable[[argparse.Namespace], int]:
 def _key_create(args: argparse.Namespace) -> int:
     from tenants.admin import create_key
 
+    ref = _tenant_ref("key create", args.tenant)
+
     async def body(engine: AsyncEngine) -> int:
-        key, secret = await create_key(engine, args.tenant)
+        key, secret = await create_key(engine, ref)
         print(secret)
         print(
             f"key id {key.id} for tenant {args.tenant}: store the key now, it is not shown again",
@@ -300,8 +323,10 @@ def _key_create(args: argparse.Namespace) -> int:
 def _key_list(args: argparse.Namespace) -> int:
     from tenants.admin import list_keys
 
+    ref = _tenant_ref("key list", args.tenant)
+
     async def body(engine: AsyncEngine) -> int:
-        keys = await list_keys(engine, args.tenant)
+        keys = await list_keys(engine, ref)
         print(_key_rows(keys) if keys else "no keys")
         return 0
 
@@ -309,14 +334,18 @@ def _key_list(args: argparse.Namespace) -> int:
 
 
 def _key_revoke(args: argparse.Namespace) -> int:
-    from tenants.admin import revoke_key
+    from tenants.admin import get_tenant, list_keys, revoke_key
+    from tenants.records import NotFound
 
-    if not args.key_id.isdigit() or int(args.key_id) >= 2**63:
-        raise _fail("key revoke", f"KEY_ID must be a numeric key id, got {args.key_id!r}")
+    ref = _tenant_ref("key revoke", args.tenant)
+    key_id = _id("key revoke", "KEY_ID", args.key_id)
 
     async def body(engine: AsyncEngine) -> int:
-        key = await revoke_key(engine, int(args.key_id))
-        print(f"key {key.id} ({key.prefix}...) revoked")
+        tenant = await get_tenant(engine, ref)
+        if key_id not in {key.id for key in await list_keys(engine, tenant.id)}:  # a key never changes tenant
+            raise NotFound(f"tenant {tenant.name} has no key with id {key_id}")
+        key = await revoke_key(engine, key_id)
+        print(f"key {key.id} ({key.prefix}...) of tenant {tenant.name} revoked")
         return 0
 
     return _run("key revoke", body)
@@ -344,11 +373,12 @@ def _usage_show(args: argparse.Namespace) -> int:
     now = datetime.now(UTC)
     since = _moment("usage show", "--since", args.since) if args.since else now - timedelta(days=30)
     until = _moment("usage show", "--until", args.until) if args.until else None
+    ref = _tenant_ref("usage show", args.tenant) if args.tenant else None
     if until is not None and until <= since:
         raise _fail("usage show", "--until must be after --since")
 
     async def body(engine: AsyncEngine) -> int:
-        tenant_id = (await get_tenant(engine, args.tenant)).id if args.tenant else None
+        tenant_id = (await get_tenant(engine, ref)).id if ref is not None else None
         usage = await usage_by_day(engine, since, until, tenant_id)
         latency = await latency_percentiles(engine, since, until, tenant_id)
         shed = await shed_counts(engine, since, until, tenant_id)
@@ -440,7 +470,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key_list = key_sub.add_parser("list", help="a tenant's keys")
     key_list.add_argument("tenant")
     key_list.set_defaults(func=_key_list)
-    revoke = key_sub.add_parser("revoke", help="revoke a key by id")
+    revoke = key_sub.add_parser("revoke", help="revoke a tenant's key by id")
+    revoke.add_argument("tenant", help="the key's tenant (name or id)")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=_key_revoke)
 
