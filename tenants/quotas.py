@@ -16,6 +16,16 @@ most a tenth of what remains of each limit beyond what the request needs, so sli
 nears. When a slice falls below half of that, a background acquire tops it up, so a reservation waits on
 the database only when the slice is empty (a cold tenant, or a burst); each sync gives back the surplus.
 
+A reservation can grow while its request runs (``extend``: more cost, no new slot), carved from the
+slice like a reservation and refused by the same limits; ``settle`` then charges the actual cost against
+the whole grown reservation, once.
+
+``allowance`` says what the tenant has left: its row as last read (each sync that touched the tenant reads
+it again, in a second statement) refilled by the clock since, adjusted for this process's own grants and
+give-backs, plus this process's free slice. With one process that is exact; with several, another
+process's reservations show up at this process's next sync that touches the tenant, and slices other
+processes hold free count as spent.
+
 Bounds:
 
 - No overspend: every grant is first taken from the tenant's row under its row lock, so any number of
@@ -60,6 +70,14 @@ ACQUIRE_SQL = sa.text(
     "SELECT * FROM weir_quota_acquire(:tenant, :holder, :cost, :need_cost, :need_slots, :extra_cost, "
     ":extra_slots, :consumed, :lease_s)"
 )
+STATE_SQL = sa.text(
+    "SELECT s.tenant_id, q.cost_per_minute, q.max_concurrency, "
+    "q.max_concurrency - s.in_flight AS free_slots, "
+    "least(q.cost_per_minute, s.bucket_level + q.cost_per_minute / 60.0 "
+    "* greatest(0, extract(epoch FROM clock_timestamp() - s.bucket_updated_at))) AS bucket "
+    "FROM quota_state AS s LEFT JOIN quotas AS q USING (tenant_id) "
+    "WHERE s.tenant_id = ANY(CAST(:tenants AS bigint[]))"
+)
 RETURN_SQL = sa.text(
     "SELECT weir_quota_return(:holder, CAST(:tenants AS bigint[]), CAST(:cost AS double precision[]), "
     "CAST(:slots AS integer[]), CAST(:consumed AS double precision[]), :lease_s, :close)"
@@ -102,6 +120,24 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class Limit:
+    """One limit as it stands: ``reset_s`` is when it is whole again (``None``: not time-based)."""
+
+    limit: float
+    remaining: float
+    reset_s: float | None
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a tenant has left of its per-minute cost bucket and of its concurrency slots (``None``: no
+    limit)."""
+
+    rate: Limit | None
+    concurrency: Limit | None
+
+
+@dataclass(frozen=True)
 class Refusal:
     """Why a reservation was refused. ``retry_after_s`` is ``None`` when retrying cannot help (an exhausted
     monthly budget, or a request larger than a minute's allowance); ``reset_s`` is when the limit fully
@@ -133,16 +169,71 @@ class _Slice:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dry_until: float = 0.0  # no background top-up before this (monotonic), after one got nothing
     topping_up: bool = False
+    # The tenant's row as last read, moved since by this process's own grants and give-backs:
+    seen_at: float | None = None  # monotonic time of the reading; None: never read
+    rate_limit: float | None = None
+    bucket: float = 0.0  # cost in the tenant's bucket, held by no process
+    slot_limit: int | None = None
+    free_slots: int = 0  # concurrency slots held by no process
+    version: int = 0  # bumped by each local move, so that a reading that raced one is dropped
 
-    def take(self, cost: float) -> bool:
-        if self.cost + _EPSILON < cost or self.slots < 1:
+    def take(self, cost: float, slots: int = 1) -> bool:
+        if self.cost + _EPSILON < cost or self.slots < slots:
             return False
         self.cost -= cost
-        self.slots -= 1
-        self.in_flight += 1
+        self.slots -= slots
+        self.in_flight += slots
         self.reserved_cost += cost
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return True
+
+    def bucket_at(self, now: float) -> float:
+        if self.rate_limit is None or self.seen_at is None:
+            return 0.0
+        refill = self.rate_limit / 60.0 * max(0.0, now - self.seen_at)
+        return min(self.rate_limit, self.bucket + refill)
+
+    def read(self, row: sa.Row, now: float) -> None:
+        """Take the tenant's row as read from the database."""
+        self.rate_limit, self.slot_limit = row.cost_per_minute, row.max_concurrency
+        self.bucket = row.bucket or 0.0
+        self.free_slots = row.free_slots or 0
+        self.seen_at = now
+
+    def moved(self, cost: float, slots: int) -> None:
+        """``cost`` and ``slots`` went from the tenant's row to this process (negative: back, where the
+        bucket stops at its limit as the database's does)."""
+        self.version += 1
+        if self.seen_at is None:
+            return
+        now = time.monotonic()
+        if self.rate_limit is not None:
+            self.bucket = min(self.rate_limit, self.bucket_at(now) - cost)
+        if self.slot_limit is not None:
+            self.free_slots -= slots
+        self.seen_at = now
+
+    def refused(self, refusal: Refusal) -> None:
+        """The refusing limit's remaining part, as the database just said."""
+        self.version += 1
+        if self.seen_at is None:
+            return
+        if refusal.reason == "rate":
+            self.bucket, self.seen_at = refusal.remaining, time.monotonic()
+        elif refusal.reason == "concurrency":
+            self.free_slots = int(refusal.remaining)
+
+    def allowance(self, now: float) -> Allowance | None:
+        if self.seen_at is None:
+            return None
+        rate = concurrency = None
+        if self.rate_limit is not None:
+            remaining = min(self.rate_limit, max(0.0, self.bucket_at(now) + self.cost))
+            rate = Limit(self.rate_limit, remaining, (self.rate_limit - remaining) * 60.0 / self.rate_limit)
+        if self.slot_limit is not None:
+            free = max(0, min(self.slot_limit, self.free_slots + self.slots))
+            concurrency = Limit(self.slot_limit, free, None)
+        return Allowance(rate, concurrency)
 
     def keep(self, intervals: float) -> tuple[float, int]:
         """What to hold free: ``intervals`` sync intervals of recent cost demand, slots up to the recent
@@ -193,23 +284,63 @@ class QuotaManager:
         Raises :class:`~tenants.records.NotFound` for an unknown tenant, ``ValueError`` for a bad cost and
         SQLAlchemy's errors when the database is unreachable and the local slice does not cover the request.
         """
+        _check_cost("worst-case cost", worst_case_cost)
+        refusal = await self._take(tenant_id, worst_case_cost, 1)
+        return refusal or Reservation(tenant_id, float(worst_case_cost), next(self._ids))
+
+    async def extend(self, reservation: Reservation, extra_cost: float) -> Refusal | None:
+        """Grow an unsettled reservation by ``extra_cost`` (its slot stays the one), or say which limit
+        refuses; a refused extension leaves the reservation as it was. Raises like :meth:`reserve`."""
+        _check_cost("extra cost", extra_cost)
+        if reservation.settled:
+            raise ValueError("a settled reservation cannot grow")
+        refusal = await self._take(reservation.tenant_id, extra_cost, 0)
+        if refusal is None:
+            reservation.cost += extra_cost
+        return refusal
+
+    async def _take(self, tenant_id: int, cost: float, slots: int) -> Refusal | None:
+        """Carve ``cost`` and ``slots`` from the tenant's slice, acquiring more when it falls short."""
         if self._closed:
             raise RuntimeError("the quota manager is closed")
-        _check_cost("worst-case cost", worst_case_cost)
         self._ensure_sync_task()
+        piece = self._slice(tenant_id)
+        if piece.take(cost, slots):
+            self._maybe_top_up(tenant_id, piece)
+            return None
+        self.waits += 1
+        async with piece.lock:
+            while not piece.take(cost, slots):
+                refusal = await self._acquire(tenant_id, piece, cost, slots)
+                if refusal is not None:
+                    return refusal
+        return None
+
+    def _slice(self, tenant_id: int) -> _Slice:
         piece = self._slices.get(tenant_id)
         if piece is None:
             piece = self._slices[tenant_id] = _Slice()
-        if piece.take(worst_case_cost):
-            self._maybe_top_up(tenant_id, piece)
-            return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
-        self.waits += 1
-        async with piece.lock:
-            while not piece.take(worst_case_cost):
-                refusal = await self._acquire(tenant_id, piece, worst_case_cost)
-                if refusal is not None:
-                    return refusal
-        return Reservation(tenant_id, float(worst_case_cost), next(self._ids))
+        return piece
+
+    async def allowance(self, tenant_id: int) -> Allowance | None:
+        """What ``tenant_id`` has left now (module docstring); reads its row once if this process has not
+        yet. ``None`` for an unknown tenant; raises SQLAlchemy's errors when that read fails."""
+        piece = self._slice(tenant_id)
+        if piece.seen_at is None:
+            await self._read([tenant_id])
+        return piece.allowance(time.monotonic())
+
+    async def _read(self, tenant_ids: list[int]) -> None:
+        """Read the tenants' rows into their slices' views (one round trip)."""
+        versions = {t: self._slice(t).version for t in tenant_ids}
+        self.round_trips += 1
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(STATE_SQL, {"tenants": tenant_ids})).all()
+        now = time.monotonic()
+        for row in rows:
+            piece = self._slices.get(row.tenant_id)
+            if piece is not None and piece.version == versions[row.tenant_id]:
+                piece.read(row, now)
 
     def _maybe_top_up(self, tenant_id: int, piece: _Slice) -> None:
         """Refill a slice in the background before it runs dry: reservations rarely wait on the database."""
@@ -228,7 +359,7 @@ class QuotaManager:
             async with self._top_ups, piece.lock:
                 before = piece.cost
                 try:
-                    await self._acquire(tenant_id, piece, 0.0)
+                    await self._acquire(tenant_id, piece, 0.0, 0)
                 except Exception as exc:  # the next reservation that needs the database will say so
                     log.debug("quota top-up failed: %s", exc)
                 if piece.cost <= before + _EPSILON:
@@ -236,10 +367,11 @@ class QuotaManager:
         finally:
             piece.topping_up = False
 
-    async def _acquire(self, tenant_id: int, piece: _Slice, cost: float) -> Refusal | None:
-        """One round trip: take what ``cost`` still needs (all or nothing) plus what the slice should hold."""
+    async def _acquire(self, tenant_id: int, piece: _Slice, cost: float, slots: int) -> Refusal | None:
+        """One round trip: take what ``cost`` and ``slots`` still need (all or nothing) plus what the slice
+        should hold."""
         need_cost = max(0.0, cost - piece.cost)
-        need_slots = 0 if piece.slots >= 1 or cost == 0 else 1
+        need_slots = max(0, slots - piece.slots)
         keep_cost, keep_slots = piece.keep(self._horizon)
         consumed, piece.consumed = piece.consumed, 0.0
         params = {
@@ -267,9 +399,12 @@ class QuotaManager:
             piece.consumed += consumed
             raise
         if row.reason is not None:
-            return Refusal(row.reason, row.limit_value, row.remaining, row.retry_after_s, row.reset_s)
+            refusal = Refusal(row.reason, row.limit_value, row.remaining, row.retry_after_s, row.reset_s)
+            piece.refused(refusal)
+            return refusal
         piece.cost += row.got_cost
         piece.slots += row.got_slots
+        piece.moved(row.got_cost, row.got_slots)
         return None
 
     def settle(self, reservation: Reservation, actual_cost: float) -> bool:
@@ -281,9 +416,7 @@ class QuotaManager:
         if reservation.settled:
             return False
         reservation.settled = True
-        piece = self._slices.get(reservation.tenant_id)
-        if piece is None:
-            piece = self._slices[reservation.tenant_id] = _Slice()
+        piece = self._slice(reservation.tenant_id)
         piece.cost += reservation.cost - actual_cost
         piece.consumed += actual_cost
         piece.slots += 1
@@ -308,7 +441,8 @@ class QuotaManager:
                 log.warning("quota sync failed: %s", exc)
 
     async def sync(self, *, close: bool = False) -> None:
-        """Give back unused slices, report settled cost and renew the leases now (one round trip).
+        """Give back unused slices, report settled cost and renew the leases now (one round trip), then
+        read the rows of the tenants concerned (another).
 
         Keeps as much as was reserved since the last sync (the recent demand); with ``close``, keeps nothing.
         """
@@ -351,6 +485,10 @@ class QuotaManager:
                 raise
             if renew:
                 self._last_renewal = now
+            for tenant_id, give_cost, give_slots, _ in batch:
+                self._slices[tenant_id].moved(-give_cost, -give_slots)
+            if not close:
+                await self._read([b[0] for b in batch])
 
     async def close(self) -> None:
         """Stop syncing and give back every free slice; leases with reservations still out stay until

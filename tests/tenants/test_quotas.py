@@ -1,4 +1,5 @@
-"""Reservations: exact limits under concurrency, settle, release, budget refusals, dead-holder reclaim."""
+"""Reservations: exact limits under concurrency, settle, release, extend, budget refusals, dead-holder
+reclaim, and the allowance a tenant has left."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from tenants.admin import create_tenant
-from tenants.quotas import QuotaManager, Refusal, Reservation
+from tenants.quotas import Allowance, Limit, QuotaManager, Refusal, Reservation
 from tenants.records import Quotas
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,3 +160,70 @@ async def test_bucket_refills_with_time_and_budget_resets_each_month(db_engine):
     await _age_state(db_engine, tenant.id, "period_start = period_start - interval '1 month'")
     assert isinstance(await manager.reserve(tenant.id, 200.0), Reservation)  # a new month
     await manager.close()
+
+
+def _quiet(engine) -> QuotaManager:
+    """A manager whose background sync does not run during a test: its syncs are the test's own."""
+    return QuotaManager(engine, lease_s=60.0, sync_interval_s=15.0)
+
+
+async def test_extend_grows_a_reservation_without_a_slot_and_settles_once(db_engine):
+    quota = Quotas(cost_per_minute=6000, max_concurrency=1, monthly_budget=300)
+    tenant = await create_tenant(db_engine, "grows", quota=quota)
+    manager = _quiet(db_engine)
+    reservation = await manager.reserve(tenant.id, 100.0)
+    assert isinstance(reservation, Reservation)
+    assert await manager.extend(reservation, 150.0) is None  # the one slot is the reservation's own
+    assert reservation.cost == 250.0
+    refusal = await manager.extend(reservation, 100.0)
+    assert isinstance(refusal, Refusal) and refusal.reason == "budget" and refusal.remaining <= 50 + 1e-6
+    assert reservation.cost == 250.0  # a refused extension changes nothing
+    assert manager.settle(reservation, 240.0)
+    with pytest.raises(ValueError, match="settled"):
+        await manager.extend(reservation, 1.0)
+    await manager.close()
+    level, in_flight, spent = await _state(db_engine, tenant.id)
+    assert in_flight == 0 and abs(spent - 240.0) < 1e-6
+
+
+async def test_allowance_follows_reservations_extensions_and_settles(db_engine):
+    tenant = await create_tenant(db_engine, "seen", quota=Quotas(cost_per_minute=600, max_concurrency=4))
+    manager = _quiet(db_engine)
+    start = time.monotonic()
+    first = await manager.allowance(tenant.id)
+    assert first.rate == Limit(600, 600, 0) and first.concurrency == Limit(4, 4, None)
+
+    def within(allowance: Allowance, expected: float) -> None:
+        """The rate allowance is ``expected`` plus at most the bucket's refill (10 per second) since start."""
+        rate = allowance.rate
+        assert expected - 1e-6 <= rate.remaining <= expected + 10 * (time.monotonic() - start) + 1e-6
+        assert abs(rate.reset_s - (600 - rate.remaining) / 10) < 1e-6
+
+    reservation = await manager.reserve(tenant.id, 100.0)
+    reserved = await manager.allowance(tenant.id)
+    within(reserved, 500)
+    assert reserved.concurrency.remaining == 3
+    await manager.extend(reservation, 150.0)
+    within(await manager.allowance(tenant.id), 350)
+    manager.settle(reservation, 200.0)
+    await manager.sync()  # gives back and reads the row again: the allowance stays what it was
+    settled = await manager.allowance(tenant.id)
+    within(settled, 400)
+    assert settled.concurrency.remaining == 4
+    await manager.close()
+
+
+async def test_allowance_sees_another_process_at_its_next_sync(db_engine):
+    tenant = await create_tenant(db_engine, "shared", quota=Quotas(cost_per_minute=600, max_concurrency=4))
+    here, there = _quiet(db_engine), _quiet(db_engine)
+    start = time.monotonic()
+    mine = await here.reserve(tenant.id, 100.0)
+    theirs = await there.reserve(tenant.id, 50.0)
+    assert isinstance(mine, Reservation) and isinstance(theirs, Reservation)
+    await there.close()  # gives back its free slice; its reservation stays out
+    here.settle(mine, 100.0)
+    await here.sync()
+    allowance = await here.allowance(tenant.id)
+    assert 450 - 1e-6 <= allowance.rate.remaining <= 450 + 10 * (time.monotonic() - start) + 1e-6
+    assert allowance.concurrency.remaining == 3
+    await here.close()
