@@ -10,7 +10,8 @@ Public API (stable; import from the submodules):
     started if needed and left running for the next command), ``create_engine(url=None) -> AsyncEngine``,
     ``upgrade_to_head(url)``, ``downgrade(url, revision="base")`` (both callable from sync or async code;
     they block; concurrent upgrades wait for each other), ``embedded_server() -> EmbeddedPostgres``
-    (``.start() -> url``, ``.stop()``, ``.running_url()``), ``state_dir()``, ``with_database(url, name)``,
+    (``.start() -> url``, ``.stop()``, ``.running_url()``, ``.remove()``; as root its programs and cluster
+    live under ``/var/lib/weir``, see ``tenants.pg_runtime``), ``state_dir()``, ``with_database(url, name)``,
     ``DatabaseError``.
 ``tenants.records``
     ``Tenant`` (id, name, weight, status, ttft_target_s, tpot_target_s, quotas, created_at; ``.active``),
