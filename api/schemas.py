@@ -14,6 +14,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256  # per stop sequence
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -57,6 +58,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences.", param="stop")
         if any(not s for s in stops):
             raise bad_request("'stop' sequences must be non-empty strings.", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(
+                f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long.", param="stop"
+            )
         return tuple(stops)
 
     def check_common(self) -> None:

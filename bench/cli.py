@@ -1,4 +1,4 @@
-"""`weir bench engine` and `weir bench serve`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|stops`: the benchmarks that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online = kinds.add_parser("serve", help="online load over HTTP: goodput, TTFT, TPOT at SLO")
     add_serve_arguments(online)
     online.set_defaults(func=_serve)
+    stops = kinds.add_parser("stops", help="stop-string matching: time per token as the output grows")
+    add_stops_arguments(stops)
+    stops.set_defaults(func=_stops)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -29,6 +32,24 @@ def _serve(args: argparse.Namespace) -> int:
     from bench import serve
 
     return serve.main(args)
+
+
+def _stops(args: argparse.Namespace) -> int:
+    from bench import stop_matching
+
+    return stop_matching.main(args)
+
+
+def add_stops_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[100, 500, 1000, 2000, 4000],
+        metavar="N",
+        help="output lengths to time (default 100 500 1000 2000 4000)",
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,9 +47,14 @@ def sample(
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of temperature-scaled logits with each row's top-k and top-p cuts applied."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
+    """Softmax of temperature-scaled logits with each row's top-k and top-p cuts applied.
+
+    Logits are shifted so each row's largest is 0 and divided in float64, so no temperature above 0, however
+    small, overflows: a tiny one gives the largest logit all the mass (greedy), never a NaN.
+    """
+    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=torch.float64)
+    shifted = logits.double() - logits.amax(dim=-1, keepdim=True).double()
+    logits = (shifted / temps.unsqueeze(1)).float()
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_ks) < vocab:
@@ -68,35 +73,72 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
+class _StopAutomaton:
+    """Aho-Corasick automaton over the stop strings: one transition per character of output."""
+
+    def __init__(self, stops: Seq[str]) -> None:
+        self.children: list[dict[str, int]] = [{}]
+        self.depth = [0]  # characters from the root: the text held back at this state
+        ends: list[int] = [0]
+        for stop in stops:
+            node = 0
+            for char in stop:
+                nxt = self.children[node].get(char)
+                if nxt is None:
+                    nxt = len(self.children)
+                    self.children[node][char] = nxt
+                    self.children.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    ends.append(0)
+                node = nxt
+            ends[node] = len(stop)
+        self.fail = [0] * len(self.children)
+        self.match = list(ends)  # longest stop string ending at this state (0: none)
+        order = list(self.children[0].values())
+        for node in order:  # breadth first: a node's failure link is settled before its children's
+            for char, child in self.children[node].items():
+                self.fail[child] = self.step(self.fail[node], char) if node else 0
+                self.match[child] = ends[child] or self.match[self.fail[child]]
+                order.append(child)
+
+    def step(self, state: int, char: str) -> int:
+        while state and char not in self.children[state]:
+            state = self.fail[state]
+        return self.children[state].get(char, 0)
+
+
 class StopStringMatcher:
-    """Streams a request's text, cutting it before the first stop string and never emitting any of it."""
+    """Streams a request's text, cutting it before the first stop string to complete and never emitting any
+    of it.
+
+    Each character of output costs one automaton transition (amortized), however long the output and the
+    stop strings; the text held back is the longest tail that could still begin a stop string.
+    """
 
     def __init__(self, stops: Seq[str]) -> None:
         self.stops = tuple(stops)
+        self._automaton = _StopAutomaton(self.stops) if self.stops else None
+        self._state = 0
         self._held = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add new text; return what may be emitted now and whether a stop string was reached."""
-        if not self.stops:
+        automaton = self._automaton
+        if automaton is None:
             return text, False
         buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._held = ""
-            return buffer[:cut], True
-        keep = max((_overlap(buffer, s) for s in self.stops), default=0)
+        state = self._state
+        for end, char in enumerate(text, start=len(self._held) + 1):
+            state = automaton.step(state, char)
+            if automaton.match[state]:
+                self._held, self._state = "", 0
+                return buffer[: end - automaton.match[state]], True
+        keep = automaton.depth[state]
+        self._state = state
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
         """The output ended for another reason: the held-back text was not a stop string after all."""
-        held, self._held = self._held, ""
+        held, self._held, self._state = self._held, "", 0
         return held
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0

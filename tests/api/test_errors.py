@@ -58,6 +58,7 @@ def test_auth_refusals(api_server: ApiServer, make_tenant) -> None:
         ({"max_tokens": "many"}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["ok", "x" * 257]}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": "hello"}, "messages"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.sampler import StopStringMatcher, make_generator, sample
 from engine.types import SamplingParams
@@ -78,3 +80,45 @@ def test_held_back_text_is_released_when_the_output_ends_otherwise() -> None:
     assert matcher.push("n") == ("", False)
     assert matcher.flush() == "</en"
     assert StopStringMatcher([]).push("x</") == ("x</", False)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45, 5e-324])
+def test_tiny_temperatures_are_greedy_not_nan(temperature: float) -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)) * 30
+    params = [SamplingParams(temperature=temperature, seed=s) for s in (1, 2)]
+    for row in draw(logits, params, 5):
+        assert row == logits.argmax(dim=-1).tolist()
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the output is cut: before the stop string that completes first (the longest if several)."""
+    ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+    if not ends:
+        return None
+    end, neg_len = min(ends)
+    return end + neg_len
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\n", max_size=40),
+    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=5), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=10),
+)
+def test_streamed_stop_matching_equals_a_whole_text_search(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    matcher = StopStringMatcher(stops)
+    bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
+    emitted, hit = "", False
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        out, hit = matcher.push(text[start:end])
+        emitted += out
+        if hit:
+            break
+        assert len(matcher._held) < max(map(len, stops))  # held back: less than a stop
+    if not hit:
+        emitted += matcher.flush()
+    cut = _first_stop(text, stops)
+    assert hit == (cut is not None)
+    assert emitted == (text if cut is None else text[:cut])
