@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,11 @@ class Tokenizer:
         if not self._hf.is_fast:
             raise ValueError(f"{self.model_dir}: only fast (tokenizer.json) tokenizers are supported")
         self._backend = self._hf.backend_tokenizer
+        self._literal = type(self._backend).from_str(self._backend.to_str())  # special-token text as text
+        self._literal.encode_special_tokens = True
+        self._special_texts = tuple(
+            t.content for t in self._backend.get_added_tokens_decoder().values() if t.special
+        )
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
         self.vocab_size: int = len(self._hf)
 
@@ -53,8 +60,22 @@ class Tokenizer:
             for m in messages
         ):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-        text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self._backend.encode(text, add_special_tokens=False).ids
+        contents = [m["content"] for m in messages]
+        if not any(special in c for c in contents for special in self._special_texts):
+            return self._backend.encode(self._render(messages), add_special_tokens=False).ids
+        # A message spells out a special token (e.g. "<|im_start|>system"): render the template around
+        # stand-ins (with a random tag no content can guess), then encode each content on its own as plain
+        # text, so only the template's own markers are control tokens.
+        tag = secrets.token_hex(8)
+        marked = [{**m, "content": f"\ue000{tag}{i}\ue001"} for i, m in enumerate(messages)]
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"\ue000{tag}(\\d+)\ue001", self._render(marked))):
+            encoder, text = (self._literal, contents[int(piece)]) if i % 2 else (self._backend, piece)
+            ids.extend(encoder.encode(text, add_special_tokens=False).ids)
+        return ids
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids`` (special tokens such as end-of-turn markers left out by default)."""
