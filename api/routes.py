@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import logging
+
 from litestar import Request, Response, get, post
+from litestar.exceptions import InternalServerException
 from litestar.types import ASGIApp
 
 from api.admission import admit
+from api.errors import APIError
 from api.runtime import Runtime
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
 from api.sse_response import CompletionResponse
+
+log = logging.getLogger("weir.api")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The whole body. A client that leaves before sending it (or is cut off by the body deadline) is
+    logged at INFO; the 400 raised goes nowhere."""
+    try:
+        return await request.body()
+    except InternalServerException:  # Litestar's word for a disconnect while the body streams in
+        log.info("%s %s: client left before sending the whole body", request.method, request.url.path)
+        raise APIError(400, "The request body was not received in full.", code="incomplete_body") from None
 
 
 async def _completion(request: Request, struct: type[SamplingFields]) -> ASGIApp:
     runtime: Runtime = request.app.state.runtime
     runtime.check_ready()
     principal = await runtime.authenticate(request.headers.get("authorization"))
-    body = decode_body(await request.body(), struct)
+    body = decode_body(await _read_body(request), struct)
     return CompletionResponse(await admit(runtime, principal, body))
 
 

@@ -7,6 +7,12 @@ import logging
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
+
+if TYPE_CHECKING:
+    from api.settings import Settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="shed new requests when this many wait in the engine (default 256)",
     )
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body accepted")
+    _add_transport_options(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=_serve)
 
@@ -47,6 +54,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="create a demo tenant and API key if no tenant exists (prints the key once)"
     )
     demo.set_defaults(func=_demo)
+
+
+def _add_transport_options(serve: argparse.ArgumentParser) -> None:
+    """Connection cap and read deadlines (see ``api/http_protocol.py``)."""
+    limits = TransportLimits()
+    options = {
+        "--max-connections": (
+            limits.max_connections,
+            "serve at most N connections at once; a request on one more gets a 503",
+        ),
+        "--header-timeout": (
+            limits.header_timeout_s,
+            "close a connection whose request headers are not complete this long after it opened or the "
+            "request began",
+        ),
+        "--body-timeout": (
+            limits.body_timeout_s,
+            "answer 408 and close when a request body is not complete this long after its headers",
+        ),
+        "--keep-alive-timeout": (
+            limits.keep_alive_timeout_s,
+            "close a connection idle this long between requests",
+        ),
+    }
+    for flag, (default, text) in options.items():
+        metavar = "N" if isinstance(default, int) else "SECONDS"
+        serve.add_argument(
+            flag, type=type(default), default=default, metavar=metavar, help=f"{text} (default {default:g})"
+        )
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -72,6 +108,10 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_seqs",
         "max_waiting",
         "max_body_bytes",
+        "max_connections",
+        "header_timeout",
+        "body_timeout",
+        "keep_alive_timeout",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
     from engine.config import EngineConfig
@@ -122,7 +162,13 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         engine_options=_engine_options(args),
     )
-    run_server(settings, args.log_level)
+    limits = TransportLimits(
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+    )
+    run_server(settings, limits, args.log_level)
     return 0
 
 
@@ -134,19 +180,21 @@ class _DroppedClientFilter(logging.Filter):
         return record.getMessage() != "ASGI callable returned without completing response."
 
 
-def run_server(settings, log_level: str = "info") -> None:
-    """Serve ``create_app(settings)`` with uvicorn until interrupted."""
+def run_server(settings: Settings, limits: TransportLimits, log_level: str = "info") -> None:
+    """Serve ``create_app(settings)`` with uvicorn, within ``limits``, until interrupted."""
     import uvicorn
 
     from api.app import create_app
-    from api.http_protocol import bounded_protocol
+    from api.http_protocol import limited_protocol
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)-8s %(name)s: %(message)s")
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        http=bounded_protocol(settings.send_buffer_bytes),
+        http=limited_protocol(limits, settings.send_buffer_bytes),
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         lifespan="on",
         log_level=log_level,
         timeout_graceful_shutdown=10,

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
@@ -23,6 +28,7 @@ from tenants.models import shed_events, usage_events
 from tenants.records import Quotas
 
 T = TypeVar("T")
+READY_DEADLINE_S = 120.0
 _QUOTA_FIELDS = ("cost_per_minute", "max_concurrency", "monthly_budget", "max_output_tokens")
 
 
@@ -133,3 +139,55 @@ def _wait_count(fetch: Callable[[], list[T]], count: int, deadline_s: float, wha
         return items if len(items) >= count else None
 
     return wait_until(enough, deadline_s, f"{count} {what}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(model_dir: Path, database_url: str, state_dir: Path, *options: str) -> Iterator[ApiServer]:
+    """``weir serve --model model_dir *options`` on a free port over a migrated ``database_url``, once ready;
+    its output goes to ``state_dir/server.log``. Stopped on exit."""
+    port = _free_port()
+    admin_token = uuid.uuid4().hex
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "WEIR_ADMIN_TOKEN": admin_token,
+        "WEIR_STATE_DIR": str(state_dir),
+    }
+    log_path = state_dir / "server.log"
+    command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [*command, *options],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    server = ApiServer(f"http://127.0.0.1:{port}", admin_token, database_url, process, log_path)
+    try:
+        deadline = time.monotonic() + READY_DEADLINE_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"weir serve exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{server.base_url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"weir serve was not ready within {READY_DEADLINE_S}s:\n{log_path.read_text()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -13,6 +13,7 @@ import pytest
     [
         (["--model", "/nonexistent/model"], "model directory not found"),
         (["--client-timeout", "0"], "--client-timeout must be positive"),
+        (["--header-timeout", "0"], "--header-timeout must be positive"),
         (["--policy", "lottery"], "--policy must be one of"),
         (["--port", "70000"], "--port must be in 1..65535"),
     ],
