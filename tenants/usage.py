@@ -13,6 +13,14 @@ What can still be lost: events submitted but neither written nor spilled when th
 and events when the database and the disk fail together (logged). An event the database refuses for its
 values (it passed validation, yet PostgreSQL rejects it) is set aside in ``spill/rejected.jsonl.bad`` with
 an error in the log, so that it cannot block the ledger.
+
+Spilled events are tenants' usage: the spill directory is kept private (created 0700, an existing one of
+this user's set back to 0700; a link or someone else's directory is refused and nothing is spilled there)
+and every file in it is created 0600. A spill file is read back as untrusted input: every line must be a
+whole record with exactly the event's fields, of the right types and ranges (the checks ``submit`` makes,
+including the request id's format); a line that is not (torn, not UTF-8, not JSON, a field missing, extra
+or out of range) is set aside, as it was, in ``spill/quarantine.jsonl.bad`` with an error in the log, and
+the file's good events are written all the same.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
@@ -43,11 +53,21 @@ log = logging.getLogger(__name__)
 
 _INT32 = 2**31 - 1
 SPILL_SCAN_S = 10.0
+REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # the API's are chatcmpl-<hex>, cmpl-<hex>
+_EVENT_ID = re.compile(r"[0-9a-f]{32}")
+_MAX_TEXT = 256
+REJECTED_FILE = "rejected.jsonl.bad"
+QUARANTINE_FILE = "quarantine.jsonl.bad"
 
 
 def _check_id(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
         raise ValueError(f"{name} must be a non-negative 64-bit int, got {value!r}")
+
+
+def _check_moment(name: str, value: datetime) -> None:
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise ValueError(f"event {name} must be a timezone-aware datetime, got {value!r}")
 
 
 def _utc_now() -> datetime:
@@ -56,7 +76,10 @@ def _utc_now() -> datetime:
 
 @dataclass(frozen=True)
 class UsageEvent:
-    """One finished (or failed, or cancelled) request as billed: costs in cost units, durations in seconds."""
+    """One finished (or failed, or cancelled) request as billed: costs in cost units, durations in seconds.
+
+    ``request_id`` matches :data:`REQUEST_ID`; ``model``, ``status`` and ``finish_reason`` are at most 256
+    characters."""
 
     request_id: str
     tenant_id: int
@@ -76,15 +99,21 @@ class UsageEvent:
     finished_at: datetime
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError("usage event needs a non-empty request id")
+        if not isinstance(self.request_id, str) or not REQUEST_ID.fullmatch(self.request_id):
+            raise ValueError(
+                f"usage event request id must match {REQUEST_ID.pattern}, got {self.request_id!r}"
+            )
         _check_id("tenant_id", self.tenant_id)
         if self.key_id is not None:
             _check_id("key_id", self.key_id)
-        for name in ("request_id", "model", "status", "finish_reason"):
+        for name in ("model", "status", "finish_reason"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or "\x00" in value):
-                raise ValueError(f"usage event {name} must be text without NUL characters, got {value!r}")
+            if (value is not None or name != "finish_reason") and (
+                not isinstance(value, str) or "\x00" in value or len(value) > _MAX_TEXT
+            ):
+                raise ValueError(
+                    f"usage event {name} must be text without NUL of at most {_MAX_TEXT}, got {value!r}"
+                )
         for name in ("prompt_tokens", "cached_tokens", "output_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32:
@@ -96,9 +125,7 @@ class UsageEvent:
             ):
                 raise ValueError(f"usage event {name} must be a finite number >= 0, got {value!r}")
         for name in ("started_at", "finished_at"):
-            value = getattr(self, name)
-            if not isinstance(value, datetime) or value.tzinfo is None:
-                raise ValueError(f"usage event {name} must be a timezone-aware datetime")
+            _check_moment(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,9 @@ class ShedEvent:
 
     def __post_init__(self) -> None:
         _check_id("tenant_id", self.tenant_id)
+        _check_moment("at", self.at)
+        if not isinstance(self.event_id, str) or not _EVENT_ID.fullmatch(self.event_id):
+            raise ValueError(f"shed event id must be 32 hex digits, got {self.event_id!r}")
         if self.reason not in SHED_REASONS:
             raise ValueError(f"unknown shed reason {self.reason!r} (one of {', '.join(SHED_REASONS)})")
 
@@ -130,13 +160,23 @@ def _to_line(event: Event) -> str:
     return json.dumps(record, separators=(",", ":")) + "\n"
 
 
-def _from_line(line: str) -> Event:
-    record = json.loads(line)
-    cls = _KINDS[record.pop("kind")]
+def _from_line(line: bytes) -> Event:
+    """The event a spill file's line holds, checked as ``submit`` checks events; ``ValueError`` (or
+    ``TypeError``) for anything else."""
+    record = json.loads(line.decode("utf-8"))
+    kind = record.pop("kind", None) if isinstance(record, dict) else None
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ValueError("not a usage or shed event record")
+    cls = _KINDS[kind]
+    names = {f.name for f in fields(cls)}
+    if set(record) != names:
+        raise ValueError(f"fields missing or unexpected: {', '.join(sorted(set(record) ^ names))}")
     for name in _DATETIME_FIELDS:
         if name in record:
+            if not isinstance(record[name], str):
+                raise ValueError(f"{name} must be an ISO 8601 time, got {record[name]!r}")
             record[name] = datetime.fromisoformat(record[name])
-    return cls(**{f.name: record[f.name] for f in fields(cls)})
+    return cls(**record)
 
 
 async def write_events(engine: AsyncEngine, events: list[Event]) -> None:
@@ -241,20 +281,29 @@ class UsageWriter:
         replayed = 0
         if not self.spill_dir.is_dir():
             return 0
+        try:
+            _private_dir(self.spill_dir)
+        except OSError as exc:
+            log.error("usage spill files not replayed: %s", exc)
+            return 0
         for path in sorted(self.spill_dir.glob("*.jsonl")):
             try:
-                handle = open(path, "r+")  # noqa: SIM115 - closed by the with below
+                handle = _open_spill_file(path)
             except FileNotFoundError:
                 continue  # replayed meanwhile by another writer
+            except OSError as exc:
+                log.error("usage spill file %s not replayed: %s", path, exc)
+                continue
             with handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live writer is still appending to it
-                events = _read_events(handle, path)
+                events, bad = self._read_events(handle, path)
                 for start in range(0, len(events), self.batch_size):
                     await self._write(events[start : start + self.batch_size])
-                path.unlink(missing_ok=True)
+                if not bad or self._set_aside(QUARANTINE_FILE, b"".join(bad)):  # else kept for the next try
+                    path.unlink(missing_ok=True)
                 replayed += len(events)
         return replayed
 
@@ -315,9 +364,7 @@ class UsageWriter:
                 if not _rejects_values(exc):
                     raise
                 log.error("usage event %s rejected by the database: %s", event, exc)
-                self.spill_dir.mkdir(parents=True, exist_ok=True)
-                with open(self.spill_dir / "rejected.jsonl.bad", "a") as handle:
-                    handle.write(_to_line(event))
+                self._set_aside(REJECTED_FILE, _to_line(event).encode())
 
     def _take(self, count: int) -> list[Event]:
         return [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]
@@ -342,10 +389,11 @@ class UsageWriter:
             return True
         try:
             if self._spill is None:
-                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                _private_dir(self.spill_dir)
                 self._spill_seq += 1
                 path = self.spill_dir / f"usage-{self._token}-{self._spill_seq}.jsonl"
-                self._spill = open(path, "a")  # noqa: SIM115 - held open (and locked) while this writer lives
+                # held open (and locked) while this writer lives
+                self._spill = open(_open_private(path, os.O_EXCL), "a")  # noqa: SIM115
                 fcntl.flock(self._spill, fcntl.LOCK_EX)
             self._spill.write("".join(_to_line(e) for e in events))
             self._spill.flush()
@@ -366,6 +414,67 @@ class UsageWriter:
             self._spill.close()
             self._spill = None
 
+    def _read_events(self, handle: IO[bytes], path: Path) -> tuple[list[Event], list[bytes]]:
+        """The events of a spill file, and the lines that are not events (each ending in a newline)."""
+        events: list[Event] = []
+        bad: list[bytes] = []
+        for number, line in enumerate(handle, 1):
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("a torn last line")
+                events.append(_from_line(line))
+            except (ValueError, TypeError, RecursionError) as exc:  # whatever the line holds
+                log.error("%s:%d: spilled record set aside in %s: %s", path, number, QUARANTINE_FILE, exc)
+                bad.append(line if line.endswith(b"\n") else line + b"\n")
+        return events, bad
+
+    def _set_aside(self, name: str, lines: bytes) -> bool:
+        """Append lines to a file of records kept for inspection and never replayed; ``False`` if the
+        disk failed (logged)."""
+        try:
+            _private_dir(self.spill_dir)
+            fd = _open_private(self.spill_dir / name, 0)
+            try:
+                os.write(fd, lines)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("could not set aside %r in %s: %s", lines[:1000], self.spill_dir / name, exc)
+            return False
+        return True
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` (and its parents) if missing and leave it a directory of this user's with mode 0700;
+    ``PermissionError`` for a link or someone else's directory."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise PermissionError(f"{path} belongs to another user")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # an older Weir made it 0755
+    finally:
+        os.close(fd)
+
+
+def _open_spill_file(path: Path) -> IO[bytes]:
+    """A spill file opened to read (and lock); a link or anything but a regular file is refused."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return open(fd, "rb")
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """Open ``path`` to append (created 0600; never through a link); an existing file is set to 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
 
 def _rejects_values(exc: BaseException) -> bool:
     """Whether the database refused the values themselves (SQLSTATE class 22 or an argument it cannot
@@ -378,16 +487,3 @@ def _rejects_values(exc: BaseException) -> bool:
             return False
         exc = cause
     return False
-
-
-def _read_events(handle: IO[str], path: Path) -> list[Event]:
-    events: list[Event] = []
-    for number, line in enumerate(handle, 1):
-        if not line.endswith("\n"):
-            log.warning("%s:%d: ignoring a torn last line", path, number)
-            continue
-        try:
-            events.append(_from_line(line))
-        except (ValueError, KeyError, TypeError) as exc:
-            log.error("%s:%d: unreadable spilled event skipped: %s", path, number, exc)
-    return events

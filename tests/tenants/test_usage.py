@@ -1,14 +1,19 @@
 """The usage ledger never loses an event and never counts one twice: across a PostgreSQL outage and
-across the death of the writing process."""
+across the death of the writing process. Spill files are private, and what is read back from them is
+checked: a bad record is set aside, never written, and never holds up the good ones."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
+import pwd
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,11 +21,12 @@ import pytest
 import sqlalchemy as sa
 
 from tenants.db import create_engine, upgrade_to_head
-from tenants.usage import UsageEvent, UsageWriter
+from tenants.usage import QUARANTINE_FILE, REJECTED_FILE, UsageEvent, UsageWriter
 from tests.fixtures.database import embedded_test_server
 
 ROOT = Path(__file__).resolve().parents[2]
 START = datetime(2026, 5, 1, tzinfo=UTC)
+UNREACHABLE = "postgresql+asyncpg://postgres@/postgres?host=/nonexistent-weir-socket-dir&port=5432"
 
 
 def make_event(n: int, tenant_id: int = 1) -> UsageEvent:
@@ -111,11 +117,10 @@ async def test_ledger_survives_a_database_outage_exactly_once(own_server, tmp_pa
 
 async def test_spilled_events_of_a_killed_writer_are_replayed_once(db_engine, database_url, tmp_path):
     spill = tmp_path / "spill"
-    unreachable = "postgresql+asyncpg://postgres@/postgres?host=/nonexistent-weir-socket-dir&port=5432"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = Path(__file__).with_name("usage_worker.py")
     worker = subprocess.Popen(
-        [sys.executable, str(script), unreachable, str(spill), "0", "300"],
+        [sys.executable, str(script), UNREACHABLE, str(spill), "0", "300"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -169,6 +174,126 @@ async def test_a_value_the_database_refuses_cannot_block_the_ledger(db_engine, t
     writer.submit(make_event(3))
     await writer.close()
     assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in (0, 2, 3)]
-    rejected = (tmp_path / "spill" / "rejected.jsonl.bad").read_text().splitlines()
+    rejected = (tmp_path / "spill" / REJECTED_FILE).read_text().splitlines()
     assert len(rejected) == 1 and poisoned.request_id in rejected[0]
+    assert _mode(tmp_path / "spill" / REJECTED_FILE) == 0o600
     assert not list((tmp_path / "spill").glob("*.jsonl"))
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+async def test_spill_files_are_private(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir(mode=0o755)  # as an older Weir left it
+    spill.chmod(0o755)
+    engine = create_engine(UNREACHABLE)
+    writer = UsageWriter(engine, spill_dir=spill, flush_interval_s=0.01, retry_interval_s=0.05)
+    for n in range(10):
+        writer.submit(make_event(n))
+    await writer.flush()
+    await writer.close()
+    await engine.dispose()
+    files = list(spill.iterdir())
+    assert files and _mode(spill) == 0o700
+    assert {path.name.endswith(".jsonl") and _mode(path) for path in files} == {0o600}
+    assert sum(len(path.read_text().splitlines()) for path in files) == 10
+
+
+def _record(event: UsageEvent, **changes: object) -> dict:
+    """The spill file's record of ``event`` (its format: one JSON object a line), with ``changes``."""
+    record = {**asdict(event), "kind": "usage", **changes}
+    for name in ("started_at", "finished_at"):
+        if isinstance(record[name], datetime):
+            record[name] = record[name].isoformat()
+    return record
+
+
+def _line(record: object) -> bytes:
+    return json.dumps(record).encode() + b"\n"
+
+
+async def test_bad_spilled_records_are_set_aside_and_the_good_ones_written(db_engine, tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir(mode=0o700)
+    shed = {"kind": "shed", "tenant_id": 1, "reason": "rate", "at": START.isoformat(), "event_id": "a" * 32}
+    without_model = _record(make_event(0))
+    del without_model["model"]
+    bad = [
+        b"not json\n",
+        b"\xff\xfe not utf-8\n",
+        _line([1, 2, 3]),
+        _line(_record(make_event(10), kind="bill")),
+        _line(without_model),
+        _line(_record(make_event(11), extra=1)),
+        _line(_record(make_event(12), tenant_id="1")),
+        _line(_record(make_event(13), key_id=True)),
+        _line(_record(make_event(14), output_tokens=-1)),
+        _line(_record(make_event(15), prompt_tokens=2**31)),
+        _line(_record(make_event(16), cost=float("nan"))),
+        _line(_record(make_event(17), request_id="req 17; DROP TABLE usage_events")),
+        _line(_record(make_event(18), request_id="")),
+        _line(_record(make_event(19), model="m" * 257)),
+        _line(_record(make_event(20), started_at="2026-05-01T00:00:00")),  # no time zone
+        _line(_record(make_event(21), finished_at=1746057600)),
+        _line({**shed, "event_id": "x"}),
+        _line({**shed, "reason": "boredom"}),
+        _line({**shed, "at": None}),
+        b"[" * 100_000 + b"\n",
+    ]
+    torn = _line(_record(make_event(22)))[:-1]
+    good = [_line(_record(make_event(n))) for n in (1, 2, 3)] + [_line(shed)]
+    lines = [good[0], *bad[:9], good[1], *bad[9:], good[2], good[3], torn]
+    (spill / "usage-older-1.jsonl").write_bytes(b"".join(lines))
+
+    writer = UsageWriter(db_engine, spill_dir=spill, flush_interval_s=0.01, retry_interval_s=0.05)
+    writer.submit(make_event(4))  # starts the writer, which replays what it finds first
+
+    async def written() -> bool:
+        return len(await _ids(db_engine)) >= 4
+
+    await _wait_for(written, "the good events to be written")
+    await writer.close()
+    assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in (1, 2, 3, 4)]
+    async with db_engine.connect() as conn:
+        assert (await conn.execute(sa.text("SELECT event_id FROM shed_events"))).scalars().all() == ["a" * 32]
+    assert not list(spill.glob("*.jsonl"))
+    assert (spill / QUARANTINE_FILE).read_bytes() == b"".join([*bad, torn + b"\n"])
+    assert _mode(spill / QUARANTINE_FILE) == 0o600
+
+
+def _owned_by_nobody(path: Path) -> None:
+    path.mkdir(mode=0o700)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+
+
+def _linked(path: Path) -> None:
+    target = path.with_name("elsewhere")
+    target.mkdir(mode=0o700)
+    path.symlink_to(target)
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        pytest.param(
+            _owned_by_nobody,
+            id="another-users",
+            marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away"),
+        ),
+        pytest.param(_linked, id="a-link"),
+    ],
+)
+async def test_a_spill_directory_that_is_not_ours_is_not_used(plant, tmp_path):
+    spill = tmp_path / "spill"
+    plant(spill)
+    engine = create_engine(UNREACHABLE)
+    writer = UsageWriter(engine, spill_dir=spill, flush_interval_s=0.01, retry_interval_s=0.05)
+    writer.submit(make_event(0))
+    await _wait_for(lambda: not writer.database_reachable, "the writer to meet the outage")
+    await writer.close(timeout_s=0.1)
+    await engine.dispose()
+    assert not list(spill.resolve().iterdir())
+    assert _mode(spill.resolve()) == 0o700
