@@ -15,8 +15,10 @@ def _runtime_as_admin(request: Request) -> Runtime:
     runtime: Runtime = request.app.state.runtime
     header = request.headers.get("authorization") or ""
     scheme, _, token = header.partition(" ")
-    expected = runtime.settings.admin_token or ""
-    if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+    expected = (runtime.settings.admin_token or "").encode()
+    # compared as bytes: any header text (non-ASCII included) is a wrong token, never an error
+    given = token.strip().encode("utf-8", "surrogateescape")
+    if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
         raise APIError(
             401,
             "A valid admin token is required (Authorization: Bearer WEIR_ADMIN_TOKEN).",

@@ -16,6 +16,7 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # per stop sequence
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_NULL = msgspec.Raw(b"null")
 
 
 class StreamOptions(msgspec.Struct):
@@ -46,6 +47,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted only with values that leave the response as Weir produces it (see unsupported()).
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tools: msgspec.Raw = _NULL
+    tool_choice: msgspec.Raw = _NULL
+    functions: msgspec.Raw = _NULL
+    function_call: msgspec.Raw = _NULL
+    response_format: msgspec.Raw = _NULL
+    logit_bias: msgspec.Raw = _NULL
 
     @property
     def max_tokens_param(self) -> str:
@@ -64,7 +76,36 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             )
         return tuple(stops)
 
+    def unsupported(self) -> list[str]:
+        """The fields set to something that would change the response in ways Weir does not implement."""
+        names = [n for n in ("logprobs", "top_logprobs") if getattr(self, n) not in (None, False, 0)]
+        names += [n for n in ("presence_penalty", "frequency_penalty") if getattr(self, n) not in (None, 0)]
+        raw = {
+            name: msgspec.json.decode(getattr(self, name))
+            for name in (
+                "tools",
+                "tool_choice",
+                "functions",
+                "function_call",
+                "response_format",
+                "logit_bias",
+            )
+        }
+        names += [n for n in ("tools", "functions", "logit_bias") if raw[n] not in (None, [], {})]
+        names += [n for n in ("tool_choice", "function_call") if raw[n] not in (None, "none", "auto")]
+        if raw["response_format"] not in (None, {"type": "text"}):
+            names.append("response_format")
+        return names
+
     def check_common(self) -> None:
+        unsupported = self.unsupported()
+        if unsupported:
+            raise bad_request(
+                f"Weir does not support {', '.join(repr(n) for n in unsupported)} with these values; "
+                "remove them from the request.",
+                param=unsupported[0],
+                code="unsupported_parameter",
+            )
         if self.n not in (None, 1):
             raise bad_request("Only n=1 is supported: one choice per request.", param="n")
         if self.stream_options is not None and not self.stream:
@@ -114,6 +155,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | int]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
+        return names + [
+            n for n in ("echo", "suffix", "best_of") if getattr(self, n) not in (None, False, "", 1)
+        ]
 
     def requested_max_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
@@ -140,3 +190,5 @@ def decode_body(body: bytes, struct: type[T]) -> T:
         return msgspec.json.decode(body, type=struct)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
+    except RecursionError:
+        raise bad_request("The JSON body is nested too deeply.", code="invalid_json") from None

@@ -66,6 +66,11 @@ def test_auth_refusals(api_server: ApiServer, make_tenant) -> None:
         ({"max_tokens": 100_000}, "messages"),
         ({"max_tokens": 1500}, "max_tokens"),  # above the tenant's max output tokens
         ({"max_completion_tokens": 1500}, "max_completion_tokens"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5, "logit_bias": {"42": 5}}, "frequency_penalty"),
     ],
 )
 def test_bad_parameters_are_400_naming_the_parameter(
@@ -77,8 +82,36 @@ def test_bad_parameters_are_400_naming_the_parameter(
         _client(api_server, key).chat.completions.create(**body)
     assert refused.value.status_code == 400
     assert refused.value.param == param
+    if param in extra and param not in ("max_tokens", "max_completion_tokens"):
+        assert refused.value.code in ("invalid_value", "unsupported_parameter", None)
     if extra.get("max_tokens") == 100_000:
         assert refused.value.code == "context_length_exceeded"
+
+
+def test_fields_that_do_not_change_the_answer_are_accepted(api_server: ApiServer, make_tenant) -> None:
+    _, key = make_tenant()
+    answer = _client(api_server, key).chat.completions.create(
+        model=_model(api_server),
+        messages=MESSAGES,
+        max_tokens=3,
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        logprobs=False,
+        presence_penalty=0,
+        metadata={"team": "a"},
+        store=False,
+    )
+    assert answer.choices[0].message.content is not None
+
+
+def test_deeply_nested_json_is_a_400(api_server: ApiServer, make_tenant) -> None:
+    _, key = make_tenant()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    for depth in (1000, 50_000):
+        body = b'{"model": "m", "prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+        error = _envelope(httpx.post(f"{api_server.v1}/completions", content=body, headers=headers), 400)
+        assert error["code"] == "invalid_json" and "nested" in error["message"]
 
 
 def test_malformed_bodies_unknown_model_and_routes(api_server: ApiServer, make_tenant) -> None:
@@ -97,6 +130,9 @@ def test_malformed_bodies_unknown_model_and_routes(api_server: ApiServer, make_t
     assert _envelope(httpx.delete(url, headers=headers), 405)
     assert _envelope(httpx.post(f"{api_server.base_url}/admin/api/engine"), 405)
     assert _envelope(httpx.get(f"{api_server.base_url}/admin/api/engine"), 401)
+    for token in ("wrong", "ünïcödé-tøken".encode().decode("latin-1"), "x" * 5000):
+        wrong = {"Authorization": f"Bearer {token}".encode("latin-1")}
+        assert _envelope(httpx.get(f"{api_server.base_url}/admin/api/engine", headers=wrong), 401)
 
     unknown_field = {
         "model": _model(api_server),
