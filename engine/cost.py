@@ -1,4 +1,4 @@
-"""The one currency of Weir: GPU cost units per request (DESIGN.md, "The one currency")."""
+"""The one currency of Weir: GPU cost units per request (docs/architecture.md, "The cost unit")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The schema as SQLAlchemy Core tables (the migrations in ``migrations/versions`` create it).
 
-Durations are seconds, costs are cost units (DESIGN.md, "The one currency"), times are UTC.
+Durations are seconds, costs are cost units (docs/architecture.md, "The cost unit"), times are UTC.
 A NULL quota limit means unlimited.
 """
 
