@@ -154,7 +154,7 @@ class EmbeddedPostgres:
             with file_lock(self.root / "lock"):
                 yield
         except OSError as exc:
-            raise DatabaseError(f"embedded PostgreSQL: {exc}") from exc
+            raise DatabaseError(f"embedded PostgreSQL: {exc} (or set DATABASE_URL)") from exc
 
     def _init(self, account: Account) -> None:
         if (self.data / "PG_VERSION").exists():

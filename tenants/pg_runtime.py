@@ -69,7 +69,8 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def root_dir(path: Path) -> Path:
-    """``path`` as a directory owned by root and writable by no one else (made 0755 if missing)."""
+    """``path`` as a directory owned by root, writable by no one else, that others may enter (made 0755
+    if missing)."""
     try:
         path.mkdir(mode=0o755)
     except FileExistsError:
@@ -82,8 +83,11 @@ def root_dir(path: Path) -> Path:
 
 def _check_root_owned(path: Path) -> None:
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
-        raise UnsafePath(f"{path} must be a directory (not a link) owned by root and writable by no one else")
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o023 != 0o001:
+        raise UnsafePath(
+            f"{path} must be a directory (not a link) owned by root, writable by no one else, "
+            "that others may enter, like mode 0755"
+        )
 
 
 def server_account() -> Account:
@@ -108,7 +112,7 @@ def server_account() -> Account:
         except (OSError, subprocess.CalledProcessError) as exc:
             raise PermissionError(
                 f"PostgreSQL refuses to run as root and the system user {SERVER_USER} could not be created "
-                f"({exc}); create it, or set DATABASE_URL"
+                f"({exc}); create it"
             ) from None
         entry = pwd.getpwnam(SERVER_USER)
     return Account(entry.pw_name, entry.pw_uid, entry.pw_gid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -146,6 +147,18 @@ def test_a_cluster_an_older_weir_kept_in_the_state_dir_moves_out(make_runtime):
         server.remove()
         first.remove()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@as_root_only
+@pytest.mark.parametrize("mode", [0o777, 0o700], ids=["0777", "0700"])
+def test_a_runtime_directory_others_could_write_or_not_enter_is_refused(mode, private, make_runtime):
+    runtime = make_runtime()
+    runtime.mkdir()
+    runtime.chmod(mode)
+    server = EmbeddedPostgres(private / "postgres", runtime=runtime)
+    with pytest.raises(DatabaseError, match=f"{re.escape(str(runtime))} must be a directory .*mode 0755"):
+        server.start()
+    assert list(runtime.iterdir()) == [] and stat.S_IMODE(runtime.stat().st_mode) == mode
 
 
 def _other_owner(path: Path) -> None:
