@@ -60,7 +60,7 @@ def _select_tenants() -> sa.Select:
 
 
 def _tenant_filter(ref: str | int) -> sa.ColumnElement[bool]:
-    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isascii() and ref.isdigit() and len(ref) < 19):
         return sa.or_(tenants.c.id == int(ref), tenants.c.name == str(ref))
     return tenants.c.name == ref
 
