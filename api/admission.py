@@ -1,5 +1,5 @@
 """From a validated body to an admitted ``Job``: tokenize, bound the output, reserve, and shed what the
-engine cannot serve within the tenant's TTFT target (DESIGN.md, "A request's path", steps 3-5)."""
+engine cannot serve within the tenant's TTFT target (docs/architecture.md, "A request's path", steps 4-6)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,22 @@ from tenants.auth import Principal
 log = logging.getLogger("weir.api")
 
 
-INLINE_TOKENIZE_CHARS = 8192  # longer texts are tokenized on a worker thread, off the event loop
+INLINE_TOKENIZE_CHARS = 8192  # larger inputs are tokenized on a worker thread, off the event loop
+# Characters per token of context beyond which a prompt is refused before tokenizing: no text averages more
+# (SmolLM2's longest token is 81 bytes of whitespace, ordinary text is about 4 characters a token).
+MAX_CHARS_PER_TOKEN = 64
 
 
 async def _prompt_ids(
     runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
 ) -> tuple[list[int], str]:
     """The prompt's token ids and the parameter name to blame for it; a text the tokenizer or the chat
-    template rejects is a 400."""
+    template rejects is a 400, and one too long for the context is refused before it is tokenized."""
     tokenizer = runtime.engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = body.chat_messages()
-        param, size = "messages", sum(len(m["content"]) for m in messages)
+        param = "messages"
+        size = sum(len(m["content"]) + len(m["role"]) + 16 for m in messages)  # 16: the template's markers
         tokenize = partial(tokenizer.apply_chat_template, messages)
     else:
         prompt = body.prompt_input()
@@ -44,6 +48,14 @@ async def _prompt_ids(
             return list(prompt), param
         size = len(prompt)
         tokenize = partial(tokenizer.encode, prompt)
+    context = runtime.max_model_len
+    if size > MAX_CHARS_PER_TOKEN * context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens, and the {param} holds {size} "
+            f"characters, more than that many tokens can hold. Please reduce the length of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
     try:
         ids = await asyncio.to_thread(tokenize) if size > INLINE_TOKENIZE_CHARS else tokenize()
     except Exception as exc:

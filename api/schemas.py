@@ -15,6 +15,7 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # per stop sequence
+MAX_MESSAGES = 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _NULL = msgspec.Raw(b"null")
 
@@ -133,6 +134,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         """The messages as plain role/content dicts for the chat template; text parts only."""
         if not self.messages:
             raise bad_request("'messages' must contain at least one message.", param="messages")
+        if len(self.messages) > MAX_MESSAGES:
+            raise bad_request(f"'messages' may hold at most {MAX_MESSAGES} messages.", param="messages")
         out = []
         for i, message in enumerate(self.messages):
             if message.role not in CHAT_ROLES:
