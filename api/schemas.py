@@ -17,7 +17,11 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # per stop sequence
 MAX_MESSAGES = 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_NULL = msgspec.Raw(b"null")
+
+
+def _null() -> msgspec.Raw:
+    """JSON null: the default of the free-form fields (a factory, so msgspec can write their JSON schema)."""
+    return msgspec.Raw(b"null")
 
 
 class StreamOptions(msgspec.Struct):
@@ -53,12 +57,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    tools: msgspec.Raw = _NULL
-    tool_choice: msgspec.Raw = _NULL
-    functions: msgspec.Raw = _NULL
-    function_call: msgspec.Raw = _NULL
-    response_format: msgspec.Raw = _NULL
-    logit_bias: msgspec.Raw = _NULL
+    tools: msgspec.Raw = msgspec.field(default_factory=_null)
+    tool_choice: msgspec.Raw = msgspec.field(default_factory=_null)
+    functions: msgspec.Raw = msgspec.field(default_factory=_null)
+    function_call: msgspec.Raw = msgspec.field(default_factory=_null)
+    response_format: msgspec.Raw = msgspec.field(default_factory=_null)
+    logit_bias: msgspec.Raw = msgspec.field(default_factory=_null)
 
     @property
     def max_tokens_param(self) -> str:
