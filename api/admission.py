@@ -12,6 +12,7 @@ from functools import partial
 from api.errors import APIError, bad_request
 from api.metering import Job
 from api.openai_format import ResponseShape
+from api.output_allowance import OutputAllowance
 from api.runtime import Runtime
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from engine.cost import worst_case_cost
@@ -92,6 +93,20 @@ def _max_tokens(
     return requested if requested is not None else min(room, limit or room)
 
 
+def _output_allowance(
+    runtime: Runtime,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    max_tokens: int,
+) -> OutputAllowance:
+    """All of ``max_tokens`` when the client set it (and for completions, whose default is 16); for a chat
+    request without it, an allowance that grows with the answer."""
+    if not isinstance(body, ChatCompletionRequest) or body.requested_max_tokens() is not None:
+        return OutputAllowance.fixed(max_tokens)
+    return OutputAllowance.growing(max_tokens, prompt_len, principal.quotas.cost_per_minute, runtime.weights)
+
+
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -147,12 +162,14 @@ async def admit(
     runtime.check_model(body.model)
     prompt_ids, prompt_param = await _prompt_ids(runtime, body)
     max_tokens = _max_tokens(runtime, principal, body, len(prompt_ids), prompt_param)
+    output = _output_allowance(runtime, principal, body, len(prompt_ids), max_tokens)
     params = _sampling(body, max_tokens)
     reservation = await runtime.reserve(
-        principal, worst_case_cost(len(prompt_ids), max_tokens, runtime.weights)
+        principal, worst_case_cost(len(prompt_ids), output.reserved, runtime.weights)
     )
     try:
         await _shed(runtime, principal, len(prompt_ids))
+        rate_limit_headers = await runtime.rate_limit_headers(principal)
     except BaseException:
         await runtime.release(reservation)
         raise
@@ -169,4 +186,6 @@ async def admit(
         shape=ResponseShape(chat=chat, model=body.model, include_usage=body.include_usage, id=request_id),
         stream=bool(body.stream),
         reservation=reservation,
+        output=output,
+        rate_limit_headers=rate_limit_headers,
     )

@@ -14,6 +14,7 @@ from engine.cost import CostWeights, request_cost
 from engine.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from api.output_allowance import OutputAllowance
     from api.runtime import Runtime
 
 
@@ -31,6 +32,8 @@ class Job:
     shape: ResponseShape
     stream: bool
     reservation: Any  # the tenants package's reservation, settled exactly once
+    output: OutputAllowance  # the output tokens the reservation covers
+    rate_limit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's allowance at admission
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
 

@@ -1,11 +1,15 @@
-"""OpenAI's response shapes: completion objects, stream chunks, usage, and the SSE framing."""
+"""OpenAI's response shapes: completion objects, stream chunks, usage, rate-limit headers, and the SSE
+framing."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import msgspec
+
+from tenants.quotas import Allowance
 
 _encoder = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -27,6 +31,37 @@ def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def number_text(value: float) -> str:
+    """A limit as text: whole numbers without decimals."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as OpenAI writes them in rate-limit headers: ``250ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms" if seconds > 0 else "0s"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def rate_limit_headers(allowance: Allowance) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for what a tenant has left (docs/api.md, "Rate-limit headers"):
+    requests are concurrency slots, tokens (and, by its own name, cost) the per-minute cost bucket; a
+    limit the tenant does not have sends nothing."""
+    headers = {}
+    if (slots := allowance.concurrency) is not None:
+        headers["x-ratelimit-limit-requests"] = number_text(slots.limit)
+        headers["x-ratelimit-remaining-requests"] = str(int(slots.remaining))
+        headers["x-ratelimit-reset-requests"] = "0s" if slots.remaining >= 1 else "1s"
+    if (rate := allowance.rate) is not None:
+        for unit in ("tokens", "cost"):
+            headers[f"x-ratelimit-limit-{unit}"] = number_text(rate.limit)
+            headers[f"x-ratelimit-remaining-{unit}"] = str(math.floor(rate.remaining))
+            headers[f"x-ratelimit-reset-{unit}"] = duration_text(rate.reset_s or 0.0)
+    return headers
 
 
 @dataclass

@@ -18,9 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from litestar.exceptions import HTTPException
+
 from api.auth import authenticate
 from api.errors import APIError
 from api.metering import Job, Tracker
+from api.openai_format import number_text, rate_limit_headers
 from api.settings import Settings
 from engine.cost import DEFAULT_WEIGHTS, CostWeights
 from engine.types import RequestOutput
@@ -29,6 +32,8 @@ from tenants.quotas import Refusal, Reservation
 from tenants.usage import UsageEvent
 
 log = logging.getLogger("weir.api")
+
+RATE_LIMIT_READ_TIMEOUT_S = 2.0  # the one read of a tenant's quota row before its first headers
 
 
 class Runtime:
@@ -208,6 +213,34 @@ class Runtime:
         self.usage.record_shed(principal.tenant_id, outcome.reason)
         raise quota_refusal(outcome, cost)
 
+    async def extend(self, reservation: Reservation, cost: float) -> bool:
+        """Grow ``reservation`` by ``cost``; ``False`` when a limit refuses or the database cannot say."""
+        try:
+            return await self.quotas.extend(reservation, cost) is None
+        except Exception as exc:
+            log.warning("could not extend a reservation of tenant %s: %s", reservation.tenant_id, exc)
+            return False
+
+    async def rate_limit_headers(self, principal: Principal) -> dict[str, str]:
+        """The tenant's ``x-ratelimit-*`` headers as its allowance stands now; none when the database,
+        asked once for a tenant this process has not seen, does not answer within the timeout."""
+        try:
+            async with asyncio.timeout(RATE_LIMIT_READ_TIMEOUT_S):
+                allowance = await self.quotas.allowance(principal.tenant_id)
+        except Exception as exc:
+            log.warning("no rate-limit headers for tenant %s: %s", principal.tenant_id, exc)
+            return {}
+        return rate_limit_headers(allowance) if allowance is not None else {}
+
+    @contextlib.asynccontextmanager
+    async def rate_limit_headers_on_refusal(self, principal: Principal) -> AsyncIterator[None]:
+        """Add the tenant's ``x-ratelimit-*`` headers to a refusal raised inside (its own headers win)."""
+        try:
+            yield
+        except (APIError, HTTPException) as refusal:
+            refusal.headers = {**await self.rate_limit_headers(principal), **(refusal.headers or {})}
+            raise
+
     async def release(self, reservation: Reservation) -> None:
         self.quotas.release(reservation)
 
@@ -280,7 +313,8 @@ def _database_unavailable_is_503() -> Iterator[None]:
 
 
 def quota_refusal(refusal: Refusal, cost: float) -> APIError:
-    """The 429 for a refused reservation, with OpenAI's rate-limit headers."""
+    """The 429 for a refused reservation; its ``x-ratelimit-*`` headers are added with every refusal's
+    (``Runtime.rate_limit_headers_on_refusal``)."""
     if refusal.reason == "budget":
         return APIError(
             429,
@@ -289,31 +323,20 @@ def quota_refusal(refusal: Refusal, cost: float) -> APIError:
             code="insufficient_quota",
             headers={"x-should-retry": "false"},
         )
-    unit = "cost" if refusal.reason == "rate" else "requests"
     remaining = max(0.0, refusal.remaining)
-    headers = {
-        f"x-ratelimit-limit-{unit}": _number(refusal.limit),
-        f"x-ratelimit-remaining-{unit}": _number(remaining),
-    }
-    reset = refusal.reset_s if refusal.reset_s is not None else refusal.retry_after_s  # concurrency: a slot
-    if reset is not None:
-        headers[f"x-ratelimit-reset-{unit}"] = f"{reset:.3f}s"
+    headers = {}
     if not refusal.retryable:
         headers["x-should-retry"] = "false"
         message = (
             f"This request's worst-case cost ({cost:.0f}) exceeds the per-minute limit "
-            f"({_number(refusal.limit)}); lower max_tokens or shorten the prompt."
+            f"({number_text(refusal.limit)}); lower max_tokens or shorten the prompt."
         )
     else:
         headers["retry-after"] = str(max(1, math.ceil(refusal.retry_after_s)))
         headers["retry-after-ms"] = str(max(1, math.ceil(refusal.retry_after_s * 1000)))
-        what = "cost per minute" if unit == "cost" else "concurrent requests"
+        what = "cost per minute" if refusal.reason == "rate" else "concurrent requests"
         message = (
-            f"Rate limit reached for {what}: limit {_number(refusal.limit)}, remaining "
-            f"{_number(remaining)}. Please try again in {refusal.retry_after_s:.2f}s."
+            f"Rate limit reached for {what}: limit {number_text(refusal.limit)}, remaining "
+            f"{number_text(remaining)}. Please try again in {refusal.retry_after_s:.2f}s."
         )
     return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"

@@ -79,6 +79,7 @@ class CompletionResponse:
 
     async def _start(self, send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         headers = [*headers, (b"x-request-id", self.job.request_id.encode())]
+        headers += [(name.encode(), value.encode()) for name, value in self.job.rate_limit_headers.items()]
         await self._send(send, {"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, send, data: bytes, more: bool = True) -> None:
@@ -88,12 +89,16 @@ class CompletionResponse:
         """Read the engine's deltas to the last one, handing each to ``emit`` while the client is there.
 
         A client that leaves or stalls has its request aborted; reading goes on until the engine's final
-        delta (within a step), whose counts are what gets billed. Closing the iterator early (an error
-        here) aborts the request in the engine too.
+        delta (within a step), whose counts are what gets billed. Each delta is first held to the output
+        the request has reserved (which it may extend while the client is there). Closing the iterator
+        early (an error here) aborts the request in the engine too.
         """
         try:
             async with contextlib.aclosing(self.job.runtime.generate(self.job)) as outputs:
-                async for out in outputs:
+                async for delta in outputs:
+                    out = await self.job.output.bound(self.job, delta, extend=not self.tracker.gone)
+                    if out is None:
+                        continue
                     self.tracker.update(out)
                     if self.tracker.gone:
                         continue
