@@ -31,8 +31,9 @@ async def _completion(request: Request, struct: type[SamplingFields]) -> ASGIApp
     runtime: Runtime = request.app.state.runtime
     runtime.check_ready()
     principal = await runtime.authenticate(request.headers.get("authorization"))
-    body = decode_body(await _read_body(request), struct)
-    return CompletionResponse(await admit(runtime, principal, body))
+    async with runtime.rate_limit_headers_on_refusal(principal):
+        body = decode_body(await _read_body(request), struct)
+        return CompletionResponse(await admit(runtime, principal, body))
 
 
 @post("/v1/chat/completions", status_code=200)
