@@ -49,7 +49,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, with only the special tokens the model itself adds (e.g. a BOS)."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+        return _encode(self._backend, text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` in the model's chat template, ending with the assistant prompt."""
@@ -62,7 +62,7 @@ class Tokenizer:
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
         contents = [m["content"] for m in messages]
         if not any(special in c for c in contents for special in self._special_texts):
-            return self._backend.encode(self._render(messages), add_special_tokens=False).ids
+            return _encode(self._backend, self._render(messages))
         # A message spells out a special token (e.g. "<|im_start|>system"): render the template around
         # stand-ins (with a random tag no content can guess), then encode each content on its own as plain
         # text, so only the template's own markers are control tokens.
@@ -71,7 +71,7 @@ class Tokenizer:
         ids: list[int] = []
         for i, piece in enumerate(re.split(f"\ue000{tag}(\\d+)\ue001", self._render(marked))):
             encoder, text = (self._literal, contents[int(piece)]) if i % 2 else (self._backend, piece)
-            ids.extend(encoder.encode(text, add_special_tokens=False).ids)
+            ids.extend(_encode(encoder, text))
         return ids
 
     def _render(self, messages: list[dict[str, Any]]) -> str:
@@ -80,6 +80,12 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids`` (special tokens such as end-of-turn markers left out by default)."""
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _encode(backend: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``. The batch call releases the GIL while it runs (the single call does not), so a
+    long text tokenized on a worker thread does not stall the event loop."""
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class IncrementalDetokenizer:
