@@ -1,4 +1,4 @@
-"""`weir bench engine|serve|stops`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|stops|soak`: the benchmarks that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -20,6 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stops = kinds.add_parser("stops", help="stop-string matching: time per token as the output grows")
     add_stops_arguments(stops)
     stops.set_defaults(func=_stops)
+    soak = kinds.add_parser(
+        "soak", help="a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows"
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(func=_soak)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -38,6 +43,12 @@ def _stops(args: argparse.Namespace) -> int:
     from bench import stop_matching
 
     return stop_matching.main(args)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from bench import soak
+
+    return soak.main(args)
 
 
 def add_stops_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,3 +127,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--transformers-port", type=int, metavar="PORT", help="its port (default: a free one)"
     )
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")
+
+
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--minutes", type=float, required=True, metavar="N", help="how long the load runs (fractions allowed)"
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.8,
+        help="request rate as a share of the measured capacity (default 0.8)",
+    )
+    parser.add_argument(
+        "--sample-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between samples of RSS and the engine (default 10)",
+    )
+    parser.add_argument("--model", metavar="PATH", help="model directory to serve (default: SmolLM2)")
+    parser.add_argument("--port", type=int, metavar="PORT", help="the server's port (default: a free one)")
+    parser.add_argument(
+        "--capacity-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="length of the closed-loop run that measures capacity (default 30)",
+    )
+    parser.add_argument(
+        "--capacity-clients",
+        type=int,
+        default=8,
+        metavar="N",
+        help="clients of the closed-loop run (default 8)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of the mix and arrivals (default 0)"
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
