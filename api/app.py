@@ -9,6 +9,7 @@ from litestar import Litestar
 
 from api.admin_api import ADMIN_ROUTES
 from api.errors import EXCEPTION_HANDLERS
+from api.openapi import openapi_json
 from api.routes import ROUTES
 from api.runtime import Runtime
 from api.settings import Settings
@@ -28,7 +29,7 @@ def create_app(settings: Settings) -> Litestar:
             await runtime.stop()
 
     return Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,

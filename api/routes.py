@@ -10,6 +10,7 @@ from litestar.types import ASGIApp
 
 from api.admission import admit
 from api.errors import APIError
+from api.openapi import REQUEST_BODY
 from api.runtime import Runtime
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
 from api.sse_response import CompletionResponse
@@ -36,12 +37,12 @@ async def _completion(request: Request, struct: type[SamplingFields]) -> ASGIApp
         return CompletionResponse(await admit(runtime, principal, body))
 
 
-@post("/v1/chat/completions", status_code=200)
+@post("/v1/chat/completions", status_code=200, opt={REQUEST_BODY: ChatCompletionRequest})
 async def chat_completions(request: Request) -> ASGIApp:
     return await _completion(request, ChatCompletionRequest)
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, opt={REQUEST_BODY: CompletionRequest})
 async def completions(request: Request) -> ASGIApp:
     return await _completion(request, CompletionRequest)
 

@@ -34,7 +34,8 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    # the enum is for the JSON schema; chat_messages() checks the role with a clearer error
+    role: Annotated[str, msgspec.Meta(extra_json_schema={"enum": sorted(CHAT_ROLES)})]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -124,7 +125,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+    # minItems is for the JSON schema; chat_messages() checks it with a clearer error
+    messages: Annotated[list[ChatMessage], msgspec.Meta(extra_json_schema={"minItems": 1})]
     max_completion_tokens: PositiveInt | None = None
 
     def requested_max_tokens(self) -> int | None:
