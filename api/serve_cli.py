@@ -40,6 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
     serve.add_argument("--policy", help="scheduling policy (default: fcfs)")
     serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: share full blocks of a tenant's repeated prefixes)",
+    )
+    serve.add_argument(
         "--max-waiting",
         type=int,
         default=256,
@@ -97,6 +103,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     for name in ("max_batched_tokens", "max_num_seqs", "policy"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    options["prefix_caching"] = args.prefix_caching
     return options
 
 

@@ -57,13 +57,14 @@ class EngineCore:
         max_model_len: int | None = None,
         policy: str = "fcfs",
         device: torch.device | str = "cpu",
+        prefix_caching: bool = True,
         calibrate_steps: bool = True,
     ) -> None:
         self.model = model
         self.model_name = "model"
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         self.kv_tensors: KVCacheTensors = model.new_kv_cache(num_blocks, block_size)
         limit = min(model.config.max_position_embeddings, self.kv.capacity_tokens)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
@@ -122,6 +123,7 @@ class EngineCore:
             max_model_len=config.max_model_len,
             policy=config.policy,
             device=device,
+            prefix_caching=config.prefix_caching,
         )
         core.model_name = model_dir.name
         return core
@@ -248,7 +250,7 @@ class EngineCore:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=0,
+            cached_tokens=seq.num_cached_tokens,
             output_tokens=seq.num_output_tokens,
             arrival_time=seq.arrival_time,
             queue_time=queue_time,
@@ -287,6 +289,7 @@ class EngineCore:
             waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
+            kv_blocks_cached=self.kv.allocator.num_cached,
             block_size=self.kv.block_size,
             tokens_per_s=self._window_sums[0] / span,
             prompt_tokens_per_s=self._window_sums[1] / span,

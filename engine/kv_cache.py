@@ -1,13 +1,22 @@
-"""The paged KV cache's bookkeeping: a ref-counted block allocator and per-sequence block tables.
+"""The paged KV cache's bookkeeping: a ref-counted block allocator, per-sequence block tables, and the
+prefix cache.
 
 The tensors themselves (``engine.batch.KVCacheTensors``) are made by the model; this module only decides
 which block holds which sequence's tokens. Blocks are allocated as tokens arrive and returned the moment a
-sequence finishes, is aborted or is preempted. Ref counts let a later prefix cache share full blocks.
+sequence finishes, is aborted or is preempted.
+
+Prefix cache: once a block is full of computed tokens, it is registered under a hash of its tokens and of
+every token before it (a chain, salted per tenant), so a later sequence whose tokens start the same way
+shares the block instead of computing it again. A returned block that holds a registered hash keeps its
+contents: it counts as free, and is reused by a matching sequence or, least recently used first, taken for
+new tokens when no empty block is left.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 
 class OutOfBlocksError(RuntimeError):
@@ -27,7 +36,10 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
 
 
 class BlockAllocator:
-    """Hands out block ids from a fixed pool; a block returns to the pool when its ref count drops to 0."""
+    """Hands out block ids from a fixed pool; a block returns to the pool when its ref count drops to 0.
+
+    A returned block with a prefix hash stays findable by that hash until it is taken for other tokens.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -35,18 +47,30 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> its prefix hash
+        self._by_hash: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently used first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a prefix hash (in use or free)."""
+        return len(self._by_hash)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        else:
             raise OutOfBlocksError("no free KV block")
-        block = self._free.popleft()
         self._ref_counts[block] = 1
         return block
 
@@ -62,18 +86,44 @@ class BlockAllocator:
             raise ValueError(f"block {block} is already free")
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
-            self._free.append(block)
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def register(self, block: int, prefix_hash: bytes) -> None:
+        """Make an allocated, full block findable by ``prefix_hash`` (no-op if that hash has a block)."""
+        if prefix_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[prefix_hash] = block
+            self._hash_of[block] = prefix_hash
+
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        """Take a reference to the block registered under ``prefix_hash``, if there is one."""
+        block = self._by_hash.get(prefix_hash)
+        if block is None:
+            return None
+        if self._ref_counts[block] == 0:
+            del self._evictable[block]
+        self._ref_counts[block] += 1
+        return block
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The prefix hash of a block holding ``tokens`` after the blocks whose hash is ``parent``."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class KVCacheManager:
     """Block tables of the sequences that hold KV memory, keyed by request id."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError("block size must be positive")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its full blocks
 
     @property
     def num_blocks(self) -> int:
@@ -103,8 +153,44 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Return all of the sequence's blocks (no-op for a sequence that holds none)."""
+        self._hashes.pop(request_id, None)
         for block in self.block_tables.pop(request_id, ()):
             self.allocator.release(block)
+
+    def share_prefix(self, request_id: str, token_ids: list[int], salt: str) -> int:
+        """Give a sequence that holds no blocks yet the cached blocks its tokens start with; returns how
+        many tokens they hold. The block of the last token is never shared: that token is always computed
+        (its logits are needed), and a shared block is never written."""
+        if not self.prefix_caching or request_id in self.block_tables:
+            return 0
+        size = self.block_size
+        table: list[int] = []
+        hashes: list[bytes] = []
+        parent = salt.encode()
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            parent = chain_hash(parent, token_ids[start : start + size])
+            block = self.allocator.lookup(parent)
+            if block is None:
+                break
+            table.append(block)
+            hashes.append(parent)
+        if table:
+            self.block_tables[request_id] = table
+            self._hashes[request_id] = hashes
+        return len(table) * size
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int, salt: str) -> None:
+        """Register the sequence's blocks that are full of computed tokens and not registered yet."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        hashes = self._hashes.setdefault(request_id, [])
+        table = self.block_tables.get(request_id, [])
+        parent = hashes[-1] if hashes else salt.encode()
+        for index in range(len(hashes), min(num_computed // size, len(table))):
+            parent = chain_hash(parent, token_ids[index * size : (index + 1) * size])
+            self.allocator.register(table[index], parent)
+            hashes.append(parent)
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat KV slots of the sequence's positions ``start .. end - 1``."""

@@ -33,8 +33,11 @@ class Policy:
     def on_arrival(self, seq: Sequence) -> None:
         """A request joined the waiting queue (not called again after a preemption)."""
 
-    def on_tokens(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
-        """The sequence was served tokens; recomputed prefill after a preemption is never reported."""
+    def on_tokens(
+        self, seq: Sequence, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    ) -> None:
+        """The sequence was served tokens: computed prompt tokens, output tokens, and prompt tokens found in
+        the prefix cache. Recomputed prefill after a preemption is never reported."""
 
     def on_finish(self, seq: Sequence) -> None:
         """The sequence left the engine (finished, aborted or failed)."""

@@ -159,14 +159,20 @@ class Scheduler:
                 )
                 rejected.append(seq)
                 continue
+            seq.num_computed_tokens = self.kv.share_prefix(seq.request_id, seq.token_ids, seq.tenant_id)
             n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
             if not self.kv.grow(seq.request_id, seq.num_computed_tokens + n):
+                self.kv.free(seq.request_id)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                if seq.num_computed_tokens:  # billed at the cached weight, never as computed prefill
+                    seq.num_cached_tokens = seq.num_prompt_tokens_billed = seq.num_computed_tokens
+                    self.policy.on_tokens(seq, 0, 0, seq.num_cached_tokens)
             planned[seq.request_id] = (seq, n)
             budget -= n
         return rejected
@@ -203,6 +209,7 @@ class Scheduler:
                 seq.num_prompt_tokens_billed += fresh_prompt
                 self.policy.on_tokens(seq, fresh_prompt, 0)
             seq.num_computed_tokens = end
+            self.kv.cache_full_blocks(seq.request_id, seq.token_ids, end, seq.tenant_id)
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)

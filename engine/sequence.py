@@ -33,6 +33,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_prompt_tokens_billed: int = 0  # high-water mark: recomputed prefill is never counted twice
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     status: SequenceStatus = SequenceStatus.WAITING
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -81,7 +81,7 @@ class EngineStats:
     running: int
     waiting: int
     kv_blocks_total: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # empty blocks and cached blocks no sequence holds (reused when needed)
     block_size: int
     tokens_per_s: float  # output tokens per second over the recent window
     prompt_tokens_per_s: float
@@ -90,6 +90,7 @@ class EngineStats:
     # actual / predicted time to first token over recent requests (None until a request has started)
     ttft_estimate_ratio_p50: float | None = None
     ttft_estimate_ratio_p90: float | None = None
+    kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free
 
 
 @dataclass(frozen=True)

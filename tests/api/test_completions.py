@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 from tests.api.server import ApiServer
 
@@ -128,3 +129,28 @@ def test_probes(api_server: ApiServer) -> None:
     assert httpx.get(f"{api_server.base_url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{api_server.base_url}/readyz")
     assert ready.status_code == 200 and ready.json()["ready"] is True
+
+
+def test_a_repeated_system_prompt_is_cached_and_billed_at_the_cached_weight(
+    api_server: ApiServer, make_tenant
+) -> None:
+    tenant_id, key = make_tenant()
+    client = openai.OpenAI(base_url=api_server.v1, api_key=key, max_retries=0)
+    system = {"role": "system", "content": "You answer questions about lighthouses. " * 20}
+    replies = [
+        client.chat.completions.create(
+            model=_model(api_server),
+            messages=[system, {"role": "user", "content": question}],
+            max_tokens=3,
+            temperature=0,
+        )
+        for question in ("Who keeps them?", "How tall is the tallest one?")
+    ]
+    first, second = (reply.usage for reply in replies)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 150 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    row = api_server.wait_usage_row(replies[1].id)
+    cached = second.prompt_tokens_details.cached_tokens
+    assert row["cached_tokens"] == cached
+    expected = (second.prompt_tokens - cached) * 1.0 + cached * 0.1 + second.completion_tokens * 2.0
+    assert float(row["cost"]) == pytest.approx(expected, rel=1e-9)

@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from engine.client import AsyncEngine
 from engine.core import EngineCore
 from engine.types import SamplingParams
-from tests.engine.engine_helpers import assert_blocks_owned_once, engine_config, make_core, random_prompts
+from tests.engine.engine_helpers import (
+    assert_block_references_match,
+    engine_config,
+    make_core,
+    random_prompts,
+)
 
 _ids = itertools.count()
 
@@ -31,7 +36,9 @@ request_strategy = st.tuples(
     st.integers(1, 6),  # max_tokens
     st.integers(0, 5),  # step at which it arrives
     st.none() | st.integers(0, 10),  # step at which it is aborted, if ever
+    st.booleans(),  # whether the prompt starts with the prefix other requests share
 )
+SHARED_PREFIX = random_prompts((20,), seed=99)[0]
 
 
 @settings(max_examples=15, deadline=None)
@@ -40,9 +47,13 @@ def test_blocks_are_never_owned_twice_and_all_return(small_core: EngineCore, req
     core = small_core
     ids = [f"p{next(_ids)}" for _ in requests]
     prompts = random_prompts(tuple(r[0] for r in requests), seed=len(requests))
+    prompts = [
+        (SHARED_PREFIX + prompt)[: len(prompt)] if request[4] else prompt
+        for prompt, request in zip(prompts, requests, strict=True)
+    ]
     finished: dict[str, str] = {}
     for step in range(200):
-        for request_id, prompt, (_, limit, arrival, abort_at) in zip(ids, prompts, requests, strict=True):
+        for request_id, prompt, (_, limit, arrival, abort_at, _) in zip(ids, prompts, requests, strict=True):
             if arrival == step:
                 core.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=limit))
             if abort_at == step and arrival <= step and core.abort(request_id):
@@ -53,13 +64,13 @@ def test_blocks_are_never_owned_twice_and_all_return(small_core: EngineCore, req
             assert out.request_id not in finished, "a request ended twice"
             if out.finished:
                 finished[out.request_id] = out.finish_reason
-        assert_blocks_owned_once(core.kv)
+        assert_block_references_match(core.kv)
         running = {seq.request_id for seq in core.scheduler.running}
         assert set(core.kv.block_tables) <= running
     assert not core.has_unfinished(), "the engine did not drain"
     assert core.kv.num_free_blocks == core.kv.num_blocks
     assert set(finished) == set(ids)
-    for (prompt_len, _, arrival, abort_at), request_id in zip(requests, ids, strict=True):
+    for (prompt_len, _, arrival, abort_at, _), request_id in zip(requests, ids, strict=True):
         if prompt_len > core.max_model_len:
             # refused when the scheduler first picks it, unless an abort came before that
             aborted = abort_at is not None and abort_at >= arrival

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.config import EngineConfig
@@ -18,8 +20,13 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, **limits: int) -> 
     return Scheduler(kv, FCFSPolicy(), **limits)
 
 
+_first_tokens = itertools.count(1, 10_000)
+
+
 def add(scheduler: Scheduler, request_id: str, prompt_len: int, arrival: float) -> Sequence:
-    seq = Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(), arrival_time=arrival)
+    """A request whose prompt shares no prefix with any other (the prefix cache plays no part)."""
+    start = next(_first_tokens)
+    seq = Sequence(request_id, list(range(start, start + prompt_len)), SamplingParams(), arrival_time=arrival)
     scheduler.add(seq)
     return seq
 
