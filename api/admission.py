@@ -90,7 +90,9 @@ def _max_tokens(
             param=param,
             code="invalid_value",
         )
-    return requested if requested is not None else min(room, limit or room)
+    if requested is not None:
+        return requested
+    return min(room, limit or room, body.default_max_tokens or room)
 
 
 def _output_allowance(

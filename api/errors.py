@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException
 log = logging.getLogger("weir.api")
 
 _PARAM_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `([^`]+)`")
 
 
 class APIError(Exception):
@@ -56,6 +57,12 @@ def from_decode_error(exc: msgspec.DecodeError) -> APIError:
         match = _PARAM_AT.search(text)
         param = match.group(1) or None if match else None
         message = _PARAM_AT.sub("", text)
+        missing = _MISSING_FIELD.match(message)
+        if missing:  # name the field itself, not the object that lacks it
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+            return bad_request(
+                f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+            )
         if param:
             message = f"Invalid value for '{param}': {message}"
         return bad_request(message, param=param, code="invalid_value" if param else None)

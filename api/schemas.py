@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 import msgspec
 
@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(extra_json_schema={"minItems": 1})]
     max_completion_tokens: PositiveInt | None = None
 
+    default_max_tokens: ClassVar[int | None] = None  # the rest of the context (see api/output_allowance.py)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -174,8 +176,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
             n for n in ("echo", "suffix", "best_of") if getattr(self, n) not in (None, False, "", 1)
         ]
 
-    def requested_max_tokens(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's; capped by the context and the key's limit
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt as text or token ids."""

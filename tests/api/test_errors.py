@@ -123,7 +123,8 @@ def test_malformed_bodies_unknown_model_and_routes(api_server: ApiServer, make_t
     )
     assert _envelope(httpx.post(url, content=b"[1, 2]", headers=headers), 400)
     assert _envelope(httpx.post(url, content=b"\xff\xfe", headers=headers), 400)
-    assert _envelope(httpx.post(url, json={"prompt": "x"}, headers=headers), 400)
+    missing = _envelope(httpx.post(url, json={"prompt": "x"}, headers=headers), 400)
+    assert missing["param"] == "model" and missing["code"] == "missing_required_parameter"
     too_long = {"model": _model(api_server), "prompt": "word " * 400_000}
     assert _envelope(httpx.post(url, json=too_long, headers=headers), 413)["code"] == "request_too_large"
     assert _envelope(httpx.post(f"{api_server.v1}/nothing", json={}, headers=headers), 404)
