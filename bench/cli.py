@@ -151,9 +151,9 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity-s",
         type=float,
-        default=30.0,
+        default=60.0,
         metavar="S",
-        help="length of the closed-loop run that measures capacity (default 30)",
+        help="length of the closed-loop run that measures capacity (default 60)",
     )
     parser.add_argument(
         "--capacity-clients",

@@ -50,7 +50,7 @@ IDLE_DEADLINE_S = 60.0  # how long the engine may take to go idle after the last
 class Sample:
     """The server's state at one moment, and the client's counts so far."""
 
-    t_s: float
+    t_s: int
     phase: str
     rss_mib: float
     kv_free: int
@@ -83,7 +83,7 @@ class Sampler:
         stats = await self.server.engine_stats(self.client)
         now = time.monotonic()
         sample = Sample(
-            round(now - self.start, 1),
+            round(now - self.start),
             phase or self._phase(now),
             round(self.server.rss_bytes() / 2**20, 1),
             stats["kv_blocks_free"],
@@ -96,7 +96,7 @@ class Sampler:
         )
         self.samples.append(sample)
         progress(
-            f"[{sample.t_s:7.1f}s {sample.phase}] RSS {sample.rss_mib} MiB, KV free {sample.kv_free}/"
+            f"[{sample.t_s:6d}s {sample.phase}] RSS {sample.rss_mib} MiB, KV free {sample.kv_free}/"
             f"{sample.kv_total}, running {sample.running}, waiting {sample.waiting}; done {sample.done}, "
             f"refused {sample.refused}, left {sample.left}, in flight {self.tally.in_flight}"
         )

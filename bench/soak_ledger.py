@@ -19,6 +19,9 @@ from tenants.records import Quotas
 # most 100, so most of this tenant's requests are refused with 429 and a small one now and then is admitted.
 OVER_QUOTA_COST_PER_MINUTE = 100.0
 NORMAL_TENANTS = 2
+# The soak looks for leaks, not latency: a loose TTFT target keeps admission control from shedding (503)
+# the load the normal tenants are meant to carry.
+NORMAL_TTFT_TARGET_S = 30.0
 EXAMPLES = 5
 
 
@@ -33,7 +36,7 @@ class SoakTenants:
 
 async def create_soak_tenants(database_url: str) -> SoakTenants:
     """``NORMAL_TENANTS`` tenants without limits and one limited to ``OVER_QUOTA_COST_PER_MINUTE``, a key
-    each, under fresh names."""
+    each, under fresh names; all with a TTFT target of ``NORMAL_TTFT_TARGET_S``."""
     db = create_engine(database_url, poolclass=NullPool)
     tag = uuid.uuid4().hex[:8]
     try:
@@ -41,7 +44,7 @@ async def create_soak_tenants(database_url: str) -> SoakTenants:
         quotas = [Quotas()] * NORMAL_TENANTS + [Quotas(cost_per_minute=OVER_QUOTA_COST_PER_MINUTE)]
         names = [f"soak-{tag}-{i}" for i in range(NORMAL_TENANTS)] + [f"soak-{tag}-over-quota"]
         for name, quota in zip(names, quotas, strict=True):
-            tenant = await create_tenant(db, name, quota=quota)
+            tenant = await create_tenant(db, name, ttft_target_s=NORMAL_TTFT_TARGET_S, quota=quota)
             _, secret = await create_key(db, tenant.id)
             ids.append(tenant.id)
             keys.append(secret)

@@ -75,6 +75,7 @@ class Outcome:
     request_id: str | None = None
     completed: bool = False  # the whole answer arrived
     left: bool = False  # the client closed the connection mid-stream
+    retry_after_s: float | None = None  # a refusal's Retry-After
     error: str | None = None
 
 
@@ -156,6 +157,8 @@ async def send(client: httpx.AsyncClient, base_url: str, shot: Shot, outcome: Ou
         async with client.stream("POST", url, json=shot.body, headers=auth_headers(shot.api_key)) as response:
             outcome.status = response.status_code
             outcome.request_id = response.headers.get("x-request-id")
+            if "retry-after" in response.headers:
+                outcome.retry_after_s = float(response.headers["retry-after"])
             if response.status_code != 200 or not shot.body["stream"]:
                 body = json.loads(await response.aread())
                 outcome.completed = response.status_code == 200 and bool(body.get("choices"))
@@ -193,7 +196,8 @@ async def closed_loop(
     base_url: str, traffic: Traffic, clients: int, seconds: float, tally: Tally
 ) -> tuple[list[Outcome], float]:
     """``clients`` clients each sending normal requests one after another for ``seconds`` (each finishes
-    the request it has started); the outcomes and the completed requests per second."""
+    the request it has started, and after a refusal waits its Retry-After, 1 s without one); the outcomes
+    and the completed requests per second."""
     outcomes: list[Outcome] = []
     start = time.monotonic()
 
@@ -205,6 +209,9 @@ async def closed_loop(
             tally.sent += 1
             await send(client, base_url, shot, outcome)
             tally.add(outcome)
+            if outcome.status != 200:
+                left_s = seconds - (time.monotonic() - start)
+                await asyncio.sleep(max(0.0, min(outcome.retry_after_s or 1.0, left_s)))
 
     async with _client() as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
