@@ -37,13 +37,14 @@ from bench.http_load import served_model
 from bench.report import format_table, progress, write_json
 from bench.soak_ledger import OVER_QUOTA_COST_PER_MINUTE, SoakTenants, audit_ledger, create_soak_tenants
 from bench.soak_traffic import Mix, Outcome, Tally, Traffic, closed_loop, open_loop
-from bench.weir_process import ServerError, WeirProcess, weir_serve
+from bench.weir_process import LOG_TAIL, ServerError, WeirProcess, weir_serve
 
 WARMUP_SHARE = 0.1  # RSS drift is measured from this share of the load's duration
 RSS_DRIFT_TARGET_PCT = 5.0
 MAX_IN_FLIGHT = 256  # arrivals beyond this many unanswered requests are skipped (the server takes 512)
 DRAIN_S = 300.0  # how long the answers may take once the load stops
 IDLE_DEADLINE_S = 60.0  # how long the engine may take to go idle after the last answer
+ERROR_CHARS = 160  # of each failure's message: failures are counted by this much of it
 
 
 @dataclass
@@ -139,7 +140,7 @@ def outcome_counts(outcomes: list[Outcome]) -> dict:
     tally = Tally()
     for o in outcomes:
         tally.add(o)
-    errors = Counter(o.error.split(":")[0] for o in outcomes if o.error)
+    errors = Counter(o.error[:ERROR_CHARS] for o in outcomes if o.error and not o.refused)
     return {
         "requests": len(outcomes),
         "done": tally.done,
@@ -272,7 +273,11 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"weir bench soak: error: {exc}") from None
         status = server.process.returncode
         # uvicorn re-raises the SIGTERM it handled once shut down: -SIGTERM is a graceful stop
-        result["server"] = {"exit_status": status, "stopped_gracefully": status in (0, -signal.SIGTERM)}
+        result["server"] = {
+            "exit_status": status,
+            "stopped_gracefully": status in (0, -signal.SIGTERM),
+            "log_tail": server.log_path.read_text(errors="replace")[-LOG_TAIL:],  # warnings and errors
+        }
         result["ledger"] = asyncio.run(audit_ledger(url, tenants.ids, result.pop("admitted_ids")))
     result = {
         "benchmark": "soak",
@@ -323,7 +328,8 @@ def render(result: dict) -> str:
             format_table(headers, rows),
             f"load: {load['requests']} requests, {load['done']} done, {load['refused']} refused, "
             f"{load['left']} left mid-stream, {load['failed']} failed, {load['skipped']} skipped, "
-            f"{load['cancelled']} cancelled; by kind and HTTP status: {_by_kind(load['by_kind'])}",
+            f"{load['cancelled']} cancelled",
+            f"by kind and HTTP status: {_by_kind(load['by_kind'])}",
             f"RSS MiB: {rss['warm_mib']} at the warm-up mark, {rss['end_mib']} at the end, "
             f"{rss['max_mib']} max ({rss['max_drift_pct']:+.2f} %)",
             f"ledger: {ledger['rows']} rows for {ledger['admitted']} admitted requests, by status "

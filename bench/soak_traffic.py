@@ -21,8 +21,7 @@ import asyncio
 import json
 import random
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import httpx
 
@@ -78,6 +77,11 @@ class Outcome:
     retry_after_s: float | None = None  # a refusal's Retry-After
     error: str | None = None
 
+    @property
+    def refused(self) -> bool:
+        """Turned away before it ran: a 4xx, or a 503 from admission control or the connection cap."""
+        return self.status is not None and (400 <= self.status < 500 or self.status == 503)
+
 
 @dataclass
 class Tally:
@@ -88,15 +92,13 @@ class Tally:
     refused: int = 0
     left: int = 0
     failed: int = 0
-    statuses: Counter = field(default_factory=Counter)
 
     def add(self, outcome: Outcome) -> None:
-        self.statuses[str(outcome.status) if outcome.status is not None else "connection"] += 1
         if outcome.left:
             self.left += 1
         elif outcome.completed:
             self.done += 1
-        elif outcome.status is not None and outcome.status != 200:
+        elif outcome.refused:
             self.refused += 1
         else:
             self.failed += 1
@@ -162,6 +164,8 @@ async def send(client: httpx.AsyncClient, base_url: str, shot: Shot, outcome: Ou
             if response.status_code != 200 or not shot.body["stream"]:
                 body = json.loads(await response.aread())
                 outcome.completed = response.status_code == 200 and bool(body.get("choices"))
+                if "error" in body:
+                    outcome.error = _message(body["error"])
                 return
             await _read_stream(response, shot, outcome)
     except (httpx.HTTPError, ValueError) as exc:
@@ -179,12 +183,17 @@ async def _read_stream(response: httpx.Response, shot: Shot, outcome: Outcome) -
             return
         event = json.loads(data)
         if "error" in event:
-            outcome.error = str(event["error"])
+            outcome.error = _message(event["error"])
         events += 1
         if shot.leave_after is not None and events >= shot.leave_after:
             outcome.left = True  # leaving the ``stream`` block closes the connection
             return
     outcome.error = outcome.error or "the stream ended without [DONE]"
+
+
+def _message(error: dict) -> str:
+    """An error envelope's code and message."""
+    return f"{error.get('code')}: {error.get('message')}"
 
 
 def _client() -> httpx.AsyncClient:
