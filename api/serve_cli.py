@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
+from engine.config import DTYPES
 
 if TYPE_CHECKING:
     from api.settings import Settings
@@ -36,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="drop a connection whose client has not read for this long (default 30)",
     )
     serve.add_argument("--kv-cache-memory", type=int, metavar="MIB", help="KV cache size in MiB")
+    serve.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="compute dtype (default auto: the fastest, measured)"
+    )
     serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
     serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
     serve.add_argument("--policy", help="scheduling policy (default: fcfs)")
@@ -104,6 +108,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     options["prefix_caching"] = args.prefix_caching
+    options["dtype"] = args.dtype
     return options
 
 

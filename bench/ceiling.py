@@ -74,12 +74,15 @@ def workload_flops(shape: ModelShape, lengths: Iterable[tuple[int, int]]) -> int
     return sum(request_flops(shape, p, o) for p, o in lengths)
 
 
-def measure_matmul_flops(device: str = "cpu", size: int = 2048, repeats: int = 5) -> float:
-    """Best rate, in FLOP/s, of a ``size``-cubed fp32 matmul on ``device`` (on CPU: torch's thread count)."""
+def measure_matmul_flops(
+    device: str = "cpu", size: int = 2048, repeats: int = 5, dtype: str = "float32"
+) -> float:
+    """Best rate, in FLOP/s, of a ``size``-cubed matmul in ``dtype`` on ``device`` (on CPU: torch's thread
+    count)."""
     import torch
 
-    a = torch.randn(size, size, dtype=torch.float32, device=device)
-    b = torch.randn(size, size, dtype=torch.float32, device=device)
+    a = torch.randn(size, size, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(size, size, dtype=getattr(torch, dtype), device=device)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.mm(a, b)  # warm up
     sync()

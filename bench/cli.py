@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import DTYPES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark and print its comparison table")
@@ -70,6 +72,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
     parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype of every system (default auto: the one Weir measures fastest here)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",

@@ -6,7 +6,7 @@ The workload (32 requests, prompts of 32-512 real token ids, 32-128 output token
 through (a) Weir's engine, (b) `transformers` continuous batching and (c) padded static ``generate()`` in
 batches of 16, on the same weights, in that order, in one process. Each system first runs a tiny warm-up
 workload, untimed. The table gives output tokens/s and Weir's ratio to each peer, and the workload's compute
-ceiling: its FLOPs at the rate of a 2048x2048x2048 fp32 matmul measured in the same run.
+ceiling: its FLOPs at the rate of a 2048x2048x2048 matmul in the systems' dtype, measured in the same run.
 """
 
 from __future__ import annotations
@@ -58,15 +58,16 @@ def run(args: argparse.Namespace) -> dict:
         f"device {device}, {torch.get_num_threads()} threads"
     )
 
-    progress("measuring the 2048^3 fp32 matmul rate")
-    matmul_before = measure_matmul_flops(device)
+    dtype = _resolved_dtype(args.dtype, model_dir, device)
+    progress(f"measuring the 2048^3 {dtype} matmul rate")
+    matmul_before = measure_matmul_flops(device, dtype=dtype)
     shape = ModelShape.from_model_dir(model_dir)
     total_flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload])
 
     runners: dict[str, Callable[[], Runner]] = {
-        "weir": lambda: _weir_runner(model_dir, device),
-        "transformers_generate_batch": lambda: _hf_runner(model_dir, device, run_generate_batch),
-        "transformers_static_generate": lambda: _hf_runner(model_dir, device, run_static_generate),
+        "weir": lambda: _weir_runner(model_dir, device, dtype),
+        "transformers_generate_batch": lambda: _hf_runner(model_dir, device, dtype, run_generate_batch),
+        "transformers_static_generate": lambda: _hf_runner(model_dir, device, dtype, run_static_generate),
     }
     systems = {}
     for name, make_runner in runners.items():
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
             systems[name]["profile"] = profile_run(partial(runner, workload))
         del runner
     progress("measuring the matmul rate again")
-    matmul_flops = max(matmul_before, measure_matmul_flops(device))  # the better one: the higher ceiling
+    matmul_flops = max(matmul_before, measure_matmul_flops(device, dtype=dtype))  # the higher ceiling
     ceiling = ceiling_tokens_per_s(total_flops, output_tokens, matmul_flops)
     weir = systems["weir"]["output_tokens_per_s"]
     return {
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {
             "device": device,
             "torch_threads": torch.get_num_threads(),
+            "dtype": dtype,
             "cpu": platform.processor() or platform.machine(),
         },
         "workload": {
@@ -120,17 +122,30 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _hf_runner(model_dir, device: str, run_system) -> Runner:
-    model = load_hf_model(str(model_dir), device)
+def _resolved_dtype(name: str, model_dir, device: str) -> str:
+    """The dtype every system runs in: ``name``, or for ``auto`` the one Weir's engine would choose."""
+    if name != "auto":
+        return name
+    from engine.models.config import ModelConfig
+    from engine.models.dtype_choice import choose_dtype
+
+    progress("choosing the dtype (timing the model's shapes)")
+    chosen = choose_dtype(ModelConfig.from_dir(model_dir), torch.device(device)).dtype
+    return str(chosen).removeprefix("torch.")
+
+
+def _hf_runner(model_dir, device: str, dtype: str, run_system) -> Runner:
+    model = load_hf_model(str(model_dir), device, dtype)
     return lambda workload: run_system(model, workload)
 
 
-def _weir_runner(model_dir, device: str) -> Runner:
+def _weir_runner(model_dir, device: str, dtype: str) -> Runner:
     """Weir's engine with its default configuration, stepped here so that progress can be shown."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    core = EngineCore.from_config(EngineConfig(model=str(model_dir), device=device), progress=False)
+    config = EngineConfig(model=str(model_dir), device=device, dtype=dtype)
+    core = EngineCore.from_config(config, progress=False)
     return lambda workload: run_weir(core, workload)
 
 
@@ -176,7 +191,8 @@ def render(result: dict) -> str:
             f"workload: {w['requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens "
             f"({w['prompt_tokens']} total), outputs {w['output_len'][0]}-{w['output_len'][1]} "
             f"({w['output_tokens']} total), {w['flops'] / 1e9:.1f} GFLOP",
-            f"matmul 2048^3 fp32: {result['matmul_gflops']:.1f} GFLOP/s on {result['machine']['device']} "
+            f"every system in {result['machine']['dtype']}; matmul 2048^3 in it: "
+            f"{result['matmul_gflops']:.1f} GFLOP/s on {result['machine']['device']} "
             "(the better of two measurements, before and after the systems ran)",
             table,
             *(f"{s['label']}: {s['notes']}" for s in result["systems"].values() if "notes" in s),

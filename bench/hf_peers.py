@@ -11,11 +11,11 @@ from bench.report import progress
 from bench.workload import BenchRequest, SystemResult, check_lengths
 
 
-def load_hf_model(model_dir: str, device: str):
-    """The `transformers` model in fp32, eval mode, on ``device``."""
+def load_hf_model(model_dir: str, device: str, dtype: str = "float32"):
+    """The `transformers` model in ``dtype``, eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.config import DTYPES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="stream the answer to a prompt (chat template applied)")
@@ -17,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default 0: off)")
     gen.add_argument("--seed", type=int, default=None, help="same seed, same answer (when sampling)")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    gen.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (default auto: measured)")
     gen.set_defaults(func=generate_command)
 
     model = subparsers.add_parser("model", help="manage model weights")
@@ -39,7 +42,9 @@ def generate_command(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        config = EngineConfig(model=args.model, device=args.device, kv_cache_memory=256 << 20)
+        config = EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=256 << 20
+        )
         core = EngineCore.from_config(config, progress=sys.stderr.isatty())
     except ValueError as exc:
         raise SystemExit(f"weir generate: error: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -15,7 +15,9 @@ class EngineConfig:
 
     model: str | None = None  # a Hugging Face Llama-family directory; None: the default SmolLM2
     device: str = "auto"  # "auto" picks cuda when available
-    dtype: str = "float32"
+    dtype: str = (
+        "auto"  # "auto": the fastest on this device, measured at start (engine/models/dtype_choice.py)
+    )
     kv_cache_memory: int = 1 << 30  # bytes of KV memory; the block count follows from the model's shape
     num_kv_blocks: int | None = None  # overrides kv_cache_memory with an exact block count
     block_size: int = 16
@@ -62,8 +64,3 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         return torch.device(self.device)
-
-    def torch_dtype(self):  # -> torch.dtype
-        import torch
-
-        return getattr(torch, self.dtype)

@@ -102,7 +102,7 @@ class EngineCore:
 
         model_dir = resolve_model_dir(config.model, config.resolved_state_dir(), progress=progress)
         device = config.torch_device()
-        model = load_model(model_dir, device, config.torch_dtype())
+        model = load_model(model_dir, device, config.dtype)
         bytes_per_block = model.kv_bytes_per_block(config.block_size)
         num_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory, bytes_per_block)
         log.info(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine.batch import KVCacheTensors, StepBatch
 from engine.models.attention import AttentionPlan, GatherBuffers, paged_attention
 from engine.models.config import ModelConfig
+from engine.models.dtype_choice import choose_dtype
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
 from engine.models.memory import retain_freed_memory
 from engine.models.rope import Rotary, apply_rotary
@@ -19,12 +20,18 @@ class PagedLlama:
     """A decoder-only Llama whose dense layers see all of a step's tokens as one [T, hidden] batch."""
 
     def __init__(
-        self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        device: torch.device,
+        dtype: torch.dtype,
+        min_rows: int = 1,
     ) -> None:
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
         self.rotary = Rotary(config, device, dtype)
         self.gather_buffers = GatherBuffers()
 
@@ -68,8 +75,8 @@ class PagedLlama:
                 hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
             )
         selected = hidden.index_select(0, batch.logits_indices.to(self.device))
-        normed = F.rms_norm(selected, (cfg.hidden_size,), self.weights.final_norm, cfg.rms_norm_eps)
-        return F.linear(normed, self.weights.lm_head).float()
+        normed = rms_norm(selected, self.weights.final_norm, cfg.rms_norm_eps)
+        return self._linear(normed, self.weights.lm_head).float()
 
     __call__ = forward
 
@@ -88,8 +95,8 @@ class PagedLlama:
         cfg = self.config
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         rotated = apply_rotary(
             qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
         )
@@ -98,19 +105,41 @@ class PagedLlama:
         key_cache.index_copy_(0, slots, k)
         value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
-        hidden.add_(F.linear(attn, layer.out, layer.out_bias))
-        x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return hidden.add_(F.linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias))
+        hidden.add_(self._linear(attn, layer.out, layer.out_bias))
+        x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+        gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias))
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return F.linear(x, weight, bias)
+        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, self.min_rows - rows))
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm rounded as Hugging Face's Llama rounds it: normalized in fp32, cast back, then scaled (in a
+    16-bit dtype the order of roundings decides near-tied greedy tokens)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def load_model(
-    model_dir: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: Path | str, device: str | torch.device = "cpu", dtype: str = "float32"
 ) -> PagedLlama:
-    """Load a Hugging Face Llama-family directory (config.json + safetensors); ValueError if unsupported."""
+    """Load a Hugging Face Llama-family directory (config.json + safetensors); ValueError if unsupported.
+
+    ``dtype`` is a torch dtype's name or ``"auto"`` (the fastest here, measured: see ``dtype_choice``).
+    """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     retain_freed_memory()
     device = torch.device(device)
-    weights = load_weights(model_dir, config, device, dtype)
-    return PagedLlama(config, weights, device, dtype)
+    choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
+    weights = load_weights(model_dir, config, device, choice.dtype)
+    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows)

@@ -54,4 +54,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` [T, heads, head_dim] (the rotate-half layout of Hugging Face Llama); ``sin`` is signed."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin)
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, swapped, sin)
+    return x * cos + swapped * sin  # rounded after each product, as Hugging Face's Llama does

@@ -14,7 +14,7 @@ def test_engine_table_shows_ratios_and_ceiling():
     result = {
         "workload": {"requests": 4, "prompt_len": [32, 512], "output_len": [32, 128], "prompt_tokens": 900,
                      "output_tokens": 100, "flops": 5e10},
-        "machine": {"device": "cpu"},
+        "machine": {"device": "cpu", "dtype": "bfloat16"},
         "matmul_gflops": 250.0,
         "ceiling_tokens_per_s": 120.0,
         "weir_fraction_of_ceiling": weir / 120.0,

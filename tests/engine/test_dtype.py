@@ -1,0 +1,72 @@
+"""The compute dtype: ``auto`` takes the fastest measured; bf16 gives transformers' bf16 tokens."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import load_model
+from engine.models.config import ModelConfig
+from engine.models.dtype_choice import PAD_ROWS, ROWS, choose_dtype
+from engine.tokenizer import Tokenizer
+from tests.engine.engine_helpers import make_core, random_prompts
+from tests.engine.test_engine_greedy import QUESTIONS, run_greedy
+from tests.engine.test_model_interface import one_prompt
+from tests.fixtures.models import hf_greedy
+
+NEW_TOKENS = 16
+
+
+def test_auto_takes_the_candidate_with_the_fastest_measured_steps(tiny_model_dir: Path) -> None:
+    choice = choose_dtype(ModelConfig.from_dir(tiny_model_dir), torch.device("cpu"))
+    assert set(choice.seconds) == {"float32", "bfloat16"}
+    assert all(len(times) == len(ROWS) and min(times) > 0 for times in choice.seconds.values())
+    fastest = min(choice.seconds, key=lambda name: math.prod(choice.seconds[name]))
+    assert choice.dtype == getattr(torch, fastest) and choice.min_rows in (1, PAD_ROWS)
+    only = choose_dtype(ModelConfig.from_dir(tiny_model_dir), torch.device("cpu"), ("float32",))
+    assert only.dtype == torch.float32 and set(only.seconds) == {"float32"}
+
+
+def test_the_engine_runs_and_caches_in_the_chosen_dtype(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir, dtype="auto")
+    assert core.model.dtype in (torch.float32, torch.bfloat16)
+    assert core.kv_tensors.keys[0].dtype == core.model.dtype
+
+
+def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path) -> None:
+    """Same tokens as transformers in bf16, except where transformers' own top two logits are within two
+    bf16 roundings of each other (there the order of roundings decides, and no kernel order is canonical)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    expected = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype="bfloat16")
+    got = run_greedy(smollm2_dir, prompts, NEW_TOKENS, {"dtype": "bfloat16"})
+    assert sum(e == g for e, g in zip(expected, got, strict=True)) >= len(prompts) - 1
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    for prompt, want, have in zip(prompts, expected, got, strict=True):
+        if want == have:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
+        logits = _hf_logits(reference, prompt + want[:at])
+        gap = float(logits[want[at]] - logits[have[at]])
+        assert 0 <= gap <= 2 * 2**-8 * float(logits[want[at]].abs()), (at, gap)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_padding_small_batches_changes_no_logit_beyond_rounding(tiny_model_dir: Path, rows: int) -> None:
+    model = load_model(tiny_model_dir, "cpu", "bfloat16")
+    batch = one_prompt(random_prompts((rows,), seed=22)[0])
+    logits = {}
+    for min_rows in (1, PAD_ROWS):
+        model.min_rows = min_rows
+        logits[min_rows] = model.forward(batch, model.new_kv_cache(4, 4))
+    torch.testing.assert_close(logits[1], logits[PAD_ROWS], rtol=2**-7, atol=2**-7)
