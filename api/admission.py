@@ -190,4 +190,5 @@ async def admit(
         reservation=reservation,
         output=output,
         rate_limit_headers=rate_limit_headers,
+        tpot_target_s=principal.tenant.tpot_target_s,
     )

@@ -34,6 +34,7 @@ class Job:
     reservation: Any  # the tenants package's reservation, settled exactly once
     output: OutputAllowance  # the output tokens the reservation covers
     rate_limit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's allowance at admission
+    tpot_target_s: float | None = None  # the tenant's time-per-output-token target
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
 

@@ -123,7 +123,12 @@ class Runtime:
 
     def generate(self, job: Job) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(
-            job.request_id, job.prompt_ids, job.params, tenant_id=str(job.tenant_id), priority=0
+            job.request_id,
+            job.prompt_ids,
+            job.params,
+            tenant_id=str(job.tenant_id),
+            priority=0,
+            tpot_target_s=job.tpot_target_s,
         )
 
     def abort(self, request_id: str) -> None:

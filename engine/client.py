@@ -122,8 +122,10 @@ class AsyncEngine:
         params: SamplingParams,
         tenant_id: str = "default",
         priority: int = 0,
+        tpot_target_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas; the last one has ``finished`` set. Bad input raises ValueError."""
+        """Stream a request's deltas; the last one has ``finished`` set. Bad input raises ValueError.
+        ``tpot_target_s`` bounds the prefill that shares its decode steps (see ``EngineCore.add_request``)."""
         core = self.core
         if self._thread is None:
             raise RuntimeError("the engine is stopped")
@@ -139,7 +141,7 @@ class AsyncEngine:
         def add(core: EngineCore) -> None:
             self._submitted_prompt_tokens.pop(request_id, None)
             try:
-                core.add_request(request_id, prompt, params, tenant_id, priority, arrival)
+                core.add_request(request_id, prompt, params, tenant_id, priority, arrival, tpot_target_s)
             except ValueError as exc:
                 refused = RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc))
                 self._deliver([refused])

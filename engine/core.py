@@ -76,6 +76,9 @@ class EngineCore:
             max_num_seqs=max_num_seqs,
             prefill_chunk_size=prefill_chunk_size,
             device=self.device,
+            prefill_budget=lambda decodes, seconds: self._step_time.costs().prefill_tokens_within(
+                seconds, decodes
+            ),
         )
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.vocab_size = model.config.vocab_size
@@ -146,8 +149,10 @@ class EngineCore:
         tenant_id: str = "default",
         priority: int = 0,
         arrival_time: float | None = None,
+        tpot_target_s: float | None = None,
     ) -> None:
-        """Queue a request; its outputs come from the following ``step()`` calls."""
+        """Queue a request; its outputs come from the following ``step()`` calls. With a ``tpot_target_s``,
+        steps that decode it carry no more prefill than the step-time model says fits in that time."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(prompt_token_ids, params)
@@ -160,6 +165,7 @@ class EngineCore:
             tenant_id=tenant_id,
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            tpot_target_s=tpot_target_s,
         )
         seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id).seconds
         self._requests[request_id] = _Request(

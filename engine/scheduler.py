@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,8 @@ from engine.batch import StepBatch
 from engine.kv_cache import KVCacheManager
 from engine.policies import Policy
 from engine.sequence import Sequence, SequenceStatus
+
+MIN_PREFILL_TOKENS = 16  # prefill a step may carry beside decodes even when their target leaves no room
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Scheduler:
         max_num_seqs: int = 64,
         prefill_chunk_size: int = 256,
         device: torch.device | str = "cpu",
+        prefill_budget: Callable[[int, float], int] | None = None,
     ) -> None:
         if min(max_batched_tokens, max_num_seqs, prefill_chunk_size, max_model_len) < 1:
             raise ValueError("scheduler limits must be positive")
@@ -61,6 +65,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.device = torch.device(device)
+        # (decodes, seconds) -> prefill tokens a step can add and still take that long (stall-free batching)
+        self.prefill_budget = prefill_budget
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,7 +108,7 @@ class Scheduler:
         """Plan the next step and advance the planned sequences' computed-token counts."""
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[Sequence] = []
-        budget = self.max_batched_tokens
+        limit = budget = self.max_batched_tokens
         for decode_phase in (True, False):
             for seq in list(self.running):
                 is_decode = seq.num_uncomputed_tokens == 1
@@ -114,13 +120,24 @@ class Scheduler:
                 if self._reserve(seq, n, planned, preempted):
                     planned[seq.request_id] = (seq, n)
                     budget -= n
-            budget = self.max_batched_tokens - sum(n for _, n in planned.values())
+            if decode_phase:
+                limit = self._stall_free_limit(planned)
+            budget = max(0, limit - sum(n for _, n in planned.values()))
         rejected = self._admit(planned, budget)
         for seq in preempted:
             self.waiting.append(seq)
         step = self._build(list(planned.values()))
         step.preempted, step.rejected = preempted, rejected
         return step
+
+    def _stall_free_limit(self, decodes: dict[str, tuple[Sequence, int]]) -> int:
+        """The step's token limit once its decodes are planned: the prefill that fits within the tightest
+        time-per-token target among them joins them (at least ``MIN_PREFILL_TOKENS``, so prompts progress)."""
+        targets = [seq.tpot_target_s for seq, _ in decodes.values() if seq.tpot_target_s]
+        if not targets or self.prefill_budget is None:
+            return self.max_batched_tokens
+        fits = max(MIN_PREFILL_TOKENS, self.prefill_budget(len(decodes), min(targets)))
+        return min(self.max_batched_tokens, len(decodes) + fits)
 
     def _reserve(
         self, seq: Sequence, n: int, planned: dict[str, tuple[Sequence, int]], preempted: list[Sequence]

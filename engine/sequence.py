@@ -41,6 +41,7 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     predicted_ttft: float | None = None  # the engine's estimate when the request arrived
+    tpot_target_s: float | None = None  # the time per output token its client was promised, if any
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

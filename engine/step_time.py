@@ -54,6 +54,13 @@ class StepCosts:
     def step_seconds(self, prefill_tokens: int, decodes: int) -> float:
         return self.overhead + self.per_prefill_token * prefill_tokens + self.per_decode * decodes
 
+    def prefill_tokens_within(self, seconds: float, decodes: int) -> int:
+        """The most prefill tokens a step beside ``decodes`` decodes can carry and still take ``seconds``."""
+        spare = seconds - self.overhead - self.per_decode * decodes
+        if spare <= 0:
+            return 0
+        return int(spare / self.per_prefill_token) if self.per_prefill_token > 0 else 1 << 30
+
     def prefill_seconds(self, prefill_tokens: int, decodes: int, step_budget: int) -> float:
         """Seconds to prefill ``prefill_tokens`` in steps of ``step_budget`` tokens beside ``decodes``."""
         if prefill_tokens <= 0:

@@ -114,7 +114,7 @@ class PagedLlama:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.shape[0]
-        if rows >= self.min_rows:
+        if rows >= self.min_rows or rows == 0:
             return F.linear(x, weight, bias)
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, self.min_rows - rows))
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)

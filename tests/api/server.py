@@ -161,6 +161,7 @@ def serving(model_dir: Path, database_url: str, state_dir: Path, *options: str) 
     }
     log_path = state_dir / "server.log"
     command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    command += ["--dtype", "float32"]  # the same arithmetic whatever this machine measures fastest
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [*command, *options],

@@ -18,6 +18,7 @@ def make_core(model_dir: Path, **config) -> EngineCore:
 
 def engine_config(model_dir: Path, **config) -> EngineConfig:
     config.setdefault("num_kv_blocks", 256)
+    config.setdefault("dtype", "float32")  # exact comparisons with transformers in fp32
     return EngineConfig(model=str(model_dir), device="cpu", **config)
 
 

@@ -61,6 +61,14 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path
         assert 0 <= gap <= 2 * 2**-8 * float(logits[want[at]].abs()), (at, gap)
 
 
+def test_a_step_that_needs_no_logits_runs_padded(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, "cpu", "bfloat16")
+    model.min_rows = PAD_ROWS
+    batch = one_prompt(random_prompts((6,), seed=23)[0])
+    batch.logits_indices = batch.logits_indices[:0]  # a prefill chunk that does not end its prompt
+    assert model.forward(batch, model.new_kv_cache(4, 4)).shape == (0, model.config.vocab_size)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_padding_small_batches_changes_no_logit_beyond_rounding(tiny_model_dir: Path, rows: int) -> None:
     model = load_model(tiny_model_dir, "cpu", "bfloat16")

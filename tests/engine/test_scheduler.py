@@ -9,12 +9,13 @@ import pytest
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.policies import FCFSPolicy, make_policy
-from engine.scheduler import ScheduledStep, Scheduler
+from engine.scheduler import MIN_PREFILL_TOKENS, ScheduledStep, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_time import StepCosts
 from engine.types import SamplingParams
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **limits: int) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **limits) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
     limits.setdefault("max_model_len", kv.capacity_tokens)
     return Scheduler(kv, FCFSPolicy(), **limits)
@@ -138,3 +139,24 @@ def test_engine_config_refuses_bad_limits_with_a_clear_message() -> None:
             EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
         make_policy("lifo")
+
+
+def test_prefill_beside_decodes_fits_their_tightest_time_per_token_target() -> None:
+    costs = StepCosts(overhead=0.010, per_prefill_token=0.001, per_decode=0.002, reliable=True)
+    scheduler = make_scheduler(
+        num_blocks=256,
+        prefill_chunk_size=256,
+        max_batched_tokens=512,
+        prefill_budget=lambda d, s: costs.prefill_tokens_within(s, d),
+    )
+    fast, slow = add(scheduler, "fast", 3, 0.0), add(scheduler, "slow", 3, 0.1)
+    fast.tpot_target_s, slow.tpot_target_s = 0.05, 0.2
+    step(scheduler)  # both prompts in one step: no decodes yet, so no limit
+    add(scheduler, "long", 900, 1.0)
+    plan = step(scheduler)
+    assert plan.num_decode_tokens == 2 and plan.num_prefill_tokens == 36  # (0.05 - 0.010 - 2 * 0.002) / 0.001
+    assert costs.step_seconds(plan.num_prefill_tokens, plan.num_decode_tokens) <= 0.05
+    fast.tpot_target_s = 0.001  # a target no prefill fits: prompts still progress a little
+    assert step(scheduler).num_prefill_tokens == MIN_PREFILL_TOKENS
+    fast.tpot_target_s = slow.tpot_target_s = None  # no targets: the whole budget
+    assert step(scheduler).num_prefill_tokens == 256
