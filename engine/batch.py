@@ -30,6 +30,35 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        logits_indices: list[int],
+        device: torch.device,
+    ) -> StepBatch:
+        """A batch from plain lists (decodes first), its index tensors made on ``device``."""
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            slot_mapping=tensor(slot_mapping),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            logits_indices=tensor(logits_indices),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+        )
+
 
 @dataclass
 class KVCacheTensors:

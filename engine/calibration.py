@@ -42,19 +42,15 @@ def _batch(
         context_lens.append(start + n)
         tables.append(kv.block_tables[name])
     rows = list(range(decodes)) + ([len(ids) - 1] if prefill else [])
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    batch = StepBatch(
-        input_ids=tensor(ids),
-        positions=tensor(positions),
-        slot_mapping=tensor(slots),
+    batch = StepBatch.from_lists(
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
         query_lens=query_lens,
         context_lens=context_lens,
         block_tables=tables,
-        logits_indices=tensor(rows),
-        num_decodes=decodes,
+        logits_indices=rows,
+        device=device,
     )
     return batch, [name for name, _, _ in shapes]
 

@@ -227,19 +227,15 @@ class Scheduler:
                 self.policy.on_tokens(seq, fresh_prompt, 0)
             seq.num_computed_tokens = end
             self.kv.cache_full_blocks(seq.request_id, seq.token_ids, end, seq.tenant_id)
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        batch = StepBatch(
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            slot_mapping=tensor(slots),
+        batch = StepBatch.from_lists(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
             query_lens=query_lens,
             context_lens=context_lens,
             block_tables=block_tables,
-            logits_indices=tensor(logits_indices),
-            num_decodes=sum(1 for n in query_lens if n == 1),
+            logits_indices=logits_indices,
+            device=self.device,
         )
         return ScheduledStep(
             batch=batch,
