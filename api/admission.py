@@ -191,4 +191,5 @@ async def admit(
         output=output,
         rate_limit_headers=rate_limit_headers,
         tpot_target_s=principal.tenant.tpot_target_s,
+        weight=principal.tenant.weight,
     )

@@ -35,6 +35,7 @@ class Job:
     output: OutputAllowance  # the output tokens the reservation covers
     rate_limit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's allowance at admission
     tpot_target_s: float | None = None  # the tenant's time-per-output-token target
+    weight: float = 1.0  # the tenant's share weight under the fair policy
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
 

@@ -129,6 +129,7 @@ class Runtime:
             tenant_id=str(job.tenant_id),
             priority=0,
             tpot_target_s=job.tpot_target_s,
+            weight=job.weight,
         )
 
     def abort(self, request_id: str) -> None:

@@ -42,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
     serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
-    serve.add_argument("--policy", help="scheduling policy (default: fcfs)")
+    serve.add_argument(
+        "--policy", help="scheduling policy: fair (weighted fair share by cost, the default) or fcfs"
+    )
     serve.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",

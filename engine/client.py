@@ -123,6 +123,7 @@ class AsyncEngine:
         tenant_id: str = "default",
         priority: int = 0,
         tpot_target_s: float | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; the last one has ``finished`` set. Bad input raises ValueError.
         ``tpot_target_s`` bounds the prefill that shares its decode steps (see ``EngineCore.add_request``)."""
@@ -141,7 +142,9 @@ class AsyncEngine:
         def add(core: EngineCore) -> None:
             self._submitted_prompt_tokens.pop(request_id, None)
             try:
-                core.add_request(request_id, prompt, params, tenant_id, priority, arrival, tpot_target_s)
+                core.add_request(
+                    request_id, prompt, params, tenant_id, priority, arrival, tpot_target_s, weight
+                )
             except ValueError as exc:
                 refused = RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc))
                 self._deliver([refused])

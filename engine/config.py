@@ -25,7 +25,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences
     prefill_chunk_size: int = 256  # at most this many prompt tokens of one sequence per step
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
-    policy: str = "fcfs"
+    policy: str = "fair"  # weighted fair share by cost ("fcfs": first come, first served)
     prefix_caching: bool = True  # share full blocks of identical prompt prefixes (within a tenant)
     state_dir: Path | str | None = None  # default: $WEIR_STATE_DIR, else ./.weir
 

@@ -150,9 +150,13 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         tpot_target_s: float | None = None,
+        weight: float = 1.0,
     ) -> None:
         """Queue a request; its outputs come from the following ``step()`` calls. With a ``tpot_target_s``,
-        steps that decode it carry no more prefill than the step-time model says fits in that time."""
+        steps that decode it carry no more prefill than the step-time model says fits in that time.
+        ``weight`` is the tenant's share under the fair policy (its latest request's weight counts)."""
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(prompt_token_ids, params)
@@ -166,6 +170,7 @@ class EngineCore:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             tpot_target_s=tpot_target_s,
+            weight=weight,
         )
         seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id).seconds
         self._requests[request_id] = _Request(

@@ -7,9 +7,11 @@ without touching the scheduler.
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
+from engine.cost import DEFAULT_WEIGHTS, CostWeights
 from engine.sequence import Sequence
 
 
@@ -59,7 +61,91 @@ class FCFSPolicy(Policy):
         return max(candidates, key=_fcfs_key)
 
 
-POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
+class FairSharePolicy(Policy):
+    """Weighted fair share in cost units: a virtual token counter (VTC) per tenant.
+
+    Each tenant's counter is the cost it has been served (``engine.cost`` weights: computed prompt tokens,
+    cached prompt tokens, output tokens) divided by its weight. The next request admitted is the oldest
+    (highest priority first) of the waiting tenant with the smallest counter. A tenant with no request in
+    the engine that sends one is lifted to the smallest counter among the tenants with requests in the
+    engine (the last served counter when there are none): idling banks no credit. The victim of a
+    preemption is the latest request of the running tenant with the largest counter. Counters of idle
+    tenants are forgotten beyond ``max_idle_tenants`` (least recently active first); the lift makes that
+    safe.
+    """
+
+    name = "fair"
+
+    def __init__(self, cost: CostWeights = DEFAULT_WEIGHTS, max_idle_tenants: int = 10_000) -> None:
+        self.cost = cost
+        self.max_idle_tenants = max_idle_tenants
+        self.counters: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self._active: Counter[str] = Counter()  # requests in the engine per tenant
+        self._idle: OrderedDict[str, None] = OrderedDict()  # tenants with a counter and no request
+        self._last_served = 0.0
+
+    def pick_next(self, waiting: Seq[Sequence]) -> Sequence:
+        tenant = min({s.tenant_id for s in waiting}, key=lambda t: (self.counters.get(t, 0.0), t))
+        return min((s for s in waiting if s.tenant_id == tenant), key=_fcfs_key)
+
+    def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
+        tenant = max({s.tenant_id for s in candidates}, key=lambda t: (self.counters.get(t, 0.0), t))
+        return max((s for s in candidates if s.tenant_id == tenant), key=_fcfs_key)
+
+    def tokens_ahead(self, queued_by_tenant: Mapping[str, int], tenant_id: str) -> int:
+        """The tenant's own queued prefill, and other tenants' only where their counter is not above its
+        (lifted) counter: the fair order serves those first, the others after or interleaved."""
+        mine = self._counter_on_arrival(tenant_id)
+        return sum(
+            tokens
+            for tenant, tokens in queued_by_tenant.items()
+            if tenant == tenant_id or self.counters.get(tenant, 0.0) <= mine
+        )
+
+    def on_arrival(self, seq: Sequence) -> None:
+        tenant = seq.tenant_id
+        self.weights[tenant] = seq.weight
+        if not self._active[tenant]:
+            self.counters[tenant] = self._counter_on_arrival(tenant)
+            self._idle.pop(tenant, None)
+        self._active[tenant] += 1
+
+    def on_tokens(
+        self, seq: Sequence, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    ) -> None:
+        cost = (
+            self.cost.prefill * prompt_tokens
+            + self.cost.cached * cached_tokens
+            + self.cost.decode * output_tokens
+        )
+        tenant = seq.tenant_id
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, seq.weight)
+        self._last_served = self.counters[tenant]
+
+    def on_finish(self, seq: Sequence) -> None:
+        tenant = seq.tenant_id
+        self._active[tenant] -= 1
+        if self._active[tenant] > 0:
+            return
+        del self._active[tenant]
+        self._idle[tenant] = None
+        while len(self._idle) > self.max_idle_tenants:
+            forgotten, _ = self._idle.popitem(last=False)
+            self.counters.pop(forgotten, None)
+            self.weights.pop(forgotten, None)
+
+    def _counter_on_arrival(self, tenant: str) -> float:
+        """The tenant's counter, or if it has no request in the engine, lifted to the smallest counter of
+        the tenants that have (the last served counter when none has)."""
+        if self._active[tenant]:
+            return self.counters[tenant]
+        others = [self.counters.get(t, 0.0) for t in self._active if t != tenant]
+        floor = min(others) if others else self._last_served
+        return max(self.counters.get(tenant, 0.0), floor)
+
+
+POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy, "fair": FairSharePolicy}
 
 
 def make_policy(name: str) -> Policy:

@@ -29,6 +29,7 @@ class Sequence:
     params: SamplingParams
     tenant_id: str = "default"
     priority: int = 0
+    weight: float = 1.0  # the tenant's share weight under the fair policy
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -1,0 +1,114 @@
+"""The weighted fair-share policy (VTC in cost units): order, lift, victim, recompute not charged, memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.cost import CostWeights
+from engine.kv_cache import KVCacheManager
+from engine.policies import FairSharePolicy, make_policy
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.types import SamplingParams
+
+_ids = itertools.count()
+
+
+def request(tenant: str, arrival: float, weight: float = 1.0, priority: int = 0, prompt: int = 4) -> Sequence:
+    first = next(_ids) * 1000
+    return Sequence(
+        f"{tenant}-{arrival}",
+        list(range(first + 1, first + prompt + 1)),
+        SamplingParams(),
+        tenant_id=tenant,
+        priority=priority,
+        arrival_time=arrival,
+        weight=weight,
+    )
+
+
+def test_the_tenant_with_the_smallest_weighted_counter_goes_next() -> None:
+    policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
+    a1, a2, b1 = request("a", 0.0), request("a", 1.0), request("b", 2.0, weight=2.0)
+    for seq in (a1, a2, b1):
+        policy.on_arrival(seq)
+    assert policy.pick_next([a1, a2, b1]) is a1  # equal counters: ties by tenant name, then oldest
+    policy.on_tokens(a1, 10, 5, cached_tokens=20)  # a: (10 + 2 + 10) / 1 = 22
+    policy.on_tokens(b1, 30, 0)  # b: 30 / 2 = 15
+    assert policy.counters == {"a": pytest.approx(22.0), "b": pytest.approx(15.0)}
+    assert policy.pick_next([a2, b1]) is b1
+    urgent = request("a", 3.0, priority=5)
+    policy.on_arrival(urgent)
+    policy.on_tokens(b1, 20, 0)  # b: 25
+    assert policy.pick_next([a2, urgent, b1]) is urgent  # priority orders requests within a tenant
+
+
+def test_a_tenant_back_from_idle_is_lifted_and_banks_no_credit() -> None:
+    policy = FairSharePolicy()
+    busy, quiet = request("busy", 0.0), request("quiet", 0.0)
+    policy.on_arrival(busy)
+    policy.on_arrival(quiet)
+    policy.on_tokens(quiet, 5, 0)
+    policy.on_finish(quiet)  # quiet goes idle at counter 5
+    policy.on_tokens(busy, 500, 0)
+    returning = request("quiet", 10.0)
+    policy.on_arrival(returning)
+    assert policy.counters["quiet"] == 500  # lifted to the smallest active counter, not left at 5
+    policy.on_finish(busy)
+    policy.on_finish(returning)
+    alone = request("new", 20.0)
+    policy.on_arrival(alone)
+    assert policy.counters["new"] == 500  # nobody active: the last served counter
+
+
+def test_the_victim_is_the_latest_request_of_the_tenant_furthest_over_its_share() -> None:
+    policy = FairSharePolicy()
+    heavy_old, heavy_new, light = request("heavy", 0.0), request("heavy", 5.0), request("light", 9.0)
+    for seq in (heavy_old, heavy_new, light):
+        policy.on_arrival(seq)
+    policy.on_tokens(heavy_old, 100, 0)
+    assert policy.pick_victim([heavy_old, heavy_new, light]) is heavy_new
+    assert make_policy("fcfs").pick_victim([heavy_old, heavy_new, light]) is light
+
+
+def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
+    policy = FairSharePolicy()
+    heavy, light = request("heavy", 0.0), request("light", 1.0)
+    policy.on_arrival(heavy)
+    policy.on_arrival(light)
+    policy.on_tokens(heavy, 1000, 0)
+    queued = {"heavy": 4000, "light": 300}
+    assert policy.tokens_ahead(queued, "light") == 300  # the heavy tenant's queue is served after
+    assert policy.tokens_ahead(queued, "heavy") == 4300
+    assert policy.tokens_ahead(queued, "newcomer") == 300  # lifted to the smallest active counter, light's
+
+
+def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4, prefix_caching=False)
+    policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
+    scheduler = Scheduler(kv, policy, max_model_len=16, max_batched_tokens=16, prefill_chunk_size=16)
+    first, second = request("a", 0.0, prompt=6), request("b", 1.0, prompt=6)
+    for seq in (first, second):
+        scheduler.add(seq)
+    token = itertools.count(50_000)
+    for _ in range(12):  # both grow until blocks run out and one is preempted and recomputed
+        plan = scheduler.schedule()
+        for seq in plan.sample_seqs:
+            scheduler.append_token(seq, next(token))
+    assert scheduler.num_preemptions > 0
+    for seq in (first, second):
+        billed = 1 * seq.num_prompt_tokens + 2 * seq.num_output_tokens
+        assert policy.counters[seq.tenant_id] == billed
+
+
+def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
+    policy = FairSharePolicy(max_idle_tenants=3)
+    for i in range(10):
+        seq = request(f"t{i}", float(i))
+        policy.on_arrival(seq)
+        policy.on_tokens(seq, 10, 0)
+        policy.on_finish(seq)
+    assert set(policy.counters) == {"t7", "t8", "t9"}
+    assert make_policy("fair").name == "fair"
