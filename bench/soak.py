@@ -14,7 +14,8 @@
    ledger) and the ledger audited.
 
 Checks (the exit status is 1 when one fails): RSS at the end at most ``RSS_DRIFT_TARGET_PCT`` above RSS at
-the warm-up mark; every KV block free at the end; exactly one ledger row per admitted request.
+the warm-up mark; every KV block free at the end; exactly one ledger row per admitted request; no request
+failed (a 5xx other than a 503, an error event in a stream, a broken connection).
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ import httpx
 
 from bench.http_load import served_model
 from bench.report import format_table, progress, write_json
-from bench.soak_ledger import OVER_QUOTA_COST_PER_MINUTE, SoakTenants, audit_ledger, create_soak_tenants
+from bench.soak_ledger import (
+    OVER_QUOTA_COST_PER_MINUTE,
+    SoakTenants,
+    audit_ledger,
+    create_soak_tenants,
+    spilled_request_ids,
+)
 from bench.soak_traffic import Mix, Outcome, Tally, Traffic, closed_loop, open_loop
 from bench.weir_process import LOG_TAIL, ServerError, WeirProcess, weir_serve
 
@@ -194,7 +201,7 @@ async def drive(server: WeirProcess, tokenizer, tenants: SoakTenants, args: argp
         "samples": [asdict(s) for s in sampler.samples],
         "rss": rss_drift(warm_sample, end, load_samples),
         "kv": {"idle": idle, "free": end.kv_free, "total": end.kv_total},
-        "admitted_ids": [o.request_id for o in measured + outcomes if o.request_id],
+        "admitted": [(o.request_id, o.summary) for o in measured + outcomes if o.request_id],
     }
 
 
@@ -214,6 +221,7 @@ def checks(result: dict) -> dict:
     """The verdict: each check's measured value, its target and whether it passed."""
     rss, kv, ledger = result["rss"], result["kv"], result["ledger"]
     mismatches = f"{ledger['missing']}/{ledger['doubled']}/{ledger['extra']}"
+    failed = result["capacity"]["failed"] + result["load"]["failed"]
     return {
         "rss_drift_pct": {
             "value": rss["drift_pct"],
@@ -230,6 +238,7 @@ def checks(result: dict) -> dict:
             "target": "0/0/0",
             "ok": mismatches == "0/0/0",
         },
+        "requests_failed": {"value": failed, "target": "0", "ok": failed == 0},
     }
 
 
@@ -278,7 +287,12 @@ def run(args: argparse.Namespace) -> dict:
             "stopped_gracefully": status in (0, -signal.SIGTERM),
             "log_tail": server.log_path.read_text(errors="replace")[-LOG_TAIL:],  # warnings and errors
         }
-        result["ledger"] = asyncio.run(audit_ledger(url, tenants.ids, result.pop("admitted_ids")))
+        spilled = spilled_request_ids(Path(tmp) / "spill")
+        admitted = result.pop("admitted")
+        result["ledger"] = asyncio.run(audit_ledger(url, tenants.ids, [rid for rid, _ in admitted], spilled))
+        seen = dict(admitted)
+        for name, ids in result["ledger"]["examples"].items():
+            result["ledger"]["examples"][name] = [f"{rid} ({seen.get(rid, 'never seen')})" for rid in ids]
     result = {
         "benchmark": "soak",
         "model_dir": str(model_dir),
@@ -333,7 +347,8 @@ def render(result: dict) -> str:
             f"RSS MiB: {rss['warm_mib']} at the warm-up mark, {rss['end_mib']} at the end, "
             f"{rss['max_mib']} max ({rss['max_drift_pct']:+.2f} %)",
             f"ledger: {ledger['rows']} rows for {ledger['admitted']} admitted requests, by status "
-            f"{ledger['rows_by_status']}",
+            f"{ledger['rows_by_status']}; {ledger['spilled']} events left in the server's spill files",
+            *(f"ledger {name}: {', '.join(ids)}" for name, ids in ledger["examples"].items()),
             format_table(["check", "measured", "target", "result"], verdict),
         ]
     )

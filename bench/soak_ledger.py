@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
@@ -53,12 +56,27 @@ async def create_soak_tenants(database_url: str) -> SoakTenants:
     return SoakTenants(ids, keys[:-1], keys[-1])
 
 
-async def audit_ledger(database_url: str, tenant_ids: list[int], admitted: Iterable[str]) -> dict:
+def spilled_request_ids(spill_dir: Path) -> list[str]:
+    """The request ids of the usage events a stopped server left in its spill files (``tenants.usage``):
+    they reach the ledger only when a server starts again on the same state directory."""
+    ids = []
+    for path in sorted(spill_dir.glob("*.jsonl*")) if spill_dir.is_dir() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                record = json.loads(line)
+                if record.get("kind") == "usage":
+                    ids.append(str(record["request_id"]))
+    return ids
+
+
+async def audit_ledger(
+    database_url: str, tenant_ids: list[int], admitted: Iterable[str], spilled: Iterable[str] = ()
+) -> dict:
     """Compare the tenants' usage events with the ids of the requests the server admitted: one row each.
 
-    ``missing``: admitted requests without a row; ``doubled``: rows beyond one per admitted request;
-    ``extra``: rows of requests the client never saw admitted. Also the rows by status, and a few ids of
-    each kind of mismatch.
+    ``missing``: admitted requests without a row (``missing_spilled`` of them are in ``spilled``, the
+    server's spill files); ``doubled``: rows beyond one per admitted request; ``extra``: rows of requests
+    the client never saw admitted. Also the rows by status, and a few ids of each kind of mismatch.
     """
     db = create_engine(database_url, poolclass=NullPool)
     where = usage_events.c.tenant_id.in_(tenant_ids)
@@ -80,7 +98,10 @@ async def audit_ledger(database_url: str, tenant_ids: list[int], admitted: Itera
     missing = {rid: wanted[rid] - found[rid] for rid in wanted if wanted[rid] > found[rid]}
     doubled = {rid: found[rid] - wanted[rid] for rid in wanted if found[rid] > wanted[rid]}
     extra = {rid: found[rid] for rid in found if rid not in wanted}
+    spilled = set(spilled)
     return {
+        "spilled": len(spilled),
+        "missing_spilled": sum(count for rid, count in missing.items() if rid in spilled),
         "admitted": sum(wanted.values()),
         "rows": sum(found.values()),
         "missing": sum(missing.values()),

@@ -78,6 +78,12 @@ class Outcome:
     error: str | None = None
 
     @property
+    def summary(self) -> str:
+        """What the client saw, in a few words: kind, status and how it ended."""
+        ended = "left" if self.left else "done" if self.completed else self.error or "unfinished"
+        return f"{self.kind} {self.status} {ended}"
+
+    @property
     def refused(self) -> bool:
         """Turned away before it ran: a 4xx, or a 503 from admission control or the connection cap."""
         return self.status is not None and (400 <= self.status < 500 or self.status == 503)

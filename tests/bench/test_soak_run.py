@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 from api.cli import main
+from bench.soak_ledger import spilled_request_ids
+from tenants.usage import ShedEvent, UsageEvent, UsageWriter
 from tests.fixtures.database import copy_of_template
 
 
@@ -19,7 +22,7 @@ def test_short_soak_serves_the_mix_and_passes_its_checks(
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
 
-    assert status == 0, printed
+    assert status == 0, f"{printed}\nserver log:\n{result['server']['log_tail']}"
     assert result["passed"] and all(check["ok"] for check in result["checks"].values())
     ledger = result["ledger"]
     assert ledger["admitted"] == ledger["rows"] > 0
@@ -41,11 +44,23 @@ def test_short_soak_serves_the_mix_and_passes_its_checks(
     header = next(line for line in lines if line.startswith("time s"))
     for column in ("RSS MiB", "free blocks", "running", "waiting", "done", "refused", "left"):
         assert column in header
-    verdict = {
-        line.split()[0]: line.split()[-1] for line in lines if line.startswith(("rss_", "kv_", "ledger_"))
-    }
+    checks = ("rss_", "kv_", "ledger_", "requests_failed")
+    verdict = {line.split()[0]: line.split()[-1] for line in lines if line.startswith(checks)}
     assert verdict == {
         "rss_drift_pct": "pass",
         "kv_blocks_free_at_end": "pass",
         "ledger_missing_doubled_extra": "pass",
+        "requests_failed": "pass",
     }
+
+
+async def test_usage_events_left_in_spill_files_are_found_by_request_id(tmp_path):
+    spill_dir = tmp_path / "spill"
+    assert spilled_request_ids(spill_dir) == []
+    writer = UsageWriter(None, spill_dir=spill_dir)  # never reaches a database: closed before any event
+    await writer.close()
+    now = datetime.now(UTC)
+    request_id = "cmpl-" + "0" * 32
+    writer.submit(UsageEvent(request_id, 1, None, "m", 3, 0, 2, 7.0, "ok", "stop", 0, 0, 0, 0, now, now))
+    writer.submit(ShedEvent(tenant_id=1, reason="rate"))  # a refusal: not a request of the ledger
+    assert spilled_request_ids(spill_dir) == [request_id]
