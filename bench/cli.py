@@ -1,4 +1,4 @@
-"""`weir bench engine|serve|stops|soak`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|latency|stops|soak`: the benchmarks that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -19,6 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online = kinds.add_parser("serve", help="online load over HTTP: goodput, TTFT, TPOT at SLO")
     add_serve_arguments(online)
     online.set_defaults(func=_serve)
+    latency = kinds.add_parser(
+        "latency", help="TTFT by prompt length and TPOT by concurrent streams, side by side with peers"
+    )
+    add_latency_arguments(latency)
+    latency.set_defaults(func=_latency)
     stops = kinds.add_parser("stops", help="stop-string matching: time per token as the output grows")
     add_stops_arguments(stops)
     stops.set_defaults(func=_stops)
@@ -39,6 +44,12 @@ def _serve(args: argparse.Namespace) -> int:
     from bench import serve
 
     return serve.main(args)
+
+
+def _latency(args: argparse.Namespace) -> int:
+    from bench import latency_bench
+
+    return latency_bench.main(args)
 
 
 def _stops(args: argparse.Namespace) -> int:
@@ -85,10 +96,45 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """The servers compared: ``--base-url`` with its keys and model, each ``--peer``, the prompts' model."""
     parser.add_argument(
         "--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
     )
+    parser.add_argument("--name", default="weir", help="label of --base-url in the table (default weir)")
+    parser.add_argument("--keys", metavar="FILE", help="API keys of --base-url, one per line")
+    parser.add_argument(
+        "--model-name", help="model id to request from --base-url (default: the first of GET /models)"
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL[@MODEL]",
+        help="also run against this OpenAI-compatible server (repeatable); model id after @, else the "
+        "first of its GET /models",
+    )
+    parser.add_argument(
+        "--peer-keys",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="API keys of peer NAME, one per line (default: a dummy bearer)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model directory whose tokenizer makes the prompts, and that transformers serve runs "
+        "(default SmolLM2)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
     parser.add_argument(
         "--rate",
         type=float,
@@ -103,9 +149,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tenants", type=int, metavar="K", help="deal requests over the first K keys (default: all keys)"
     )
-    parser.add_argument("--keys", metavar="FILE", help="API keys, one per line")
-    parser.add_argument("--seed", type=int, default=0, metavar="S")
-    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    parser.add_argument(
+        "--workload",
+        choices=("random", "shared-prefix"),
+        default="random",
+        help="random prompts (default), or multi-turn chats after one common system prompt",
+    )
+    parser.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=768,
+        metavar="N",
+        help="length of the shared-prefix workload's common system prompt (default 768)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=3,
+        metavar="T",
+        help="user turns per shared-prefix conversation (default 3)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--slo-tpot-ms", type=float, default=200)
     parser.add_argument(
@@ -114,11 +177,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.9,
         help="share of requests within SLO below which a system misses it (default 0.9)",
     )
-    parser.add_argument("--name", default="weir", help="label of --base-url in the table (default weir)")
-    parser.add_argument(
-        "--model", metavar="PATH", help="model directory for prompts and the peer (default SmolLM2)"
-    )
-    parser.add_argument("--model-name", help="model id to request (default: the first of GET /models)")
     parser.add_argument(
         "--compare-transformers",
         action="store_true",
@@ -135,6 +193,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--transformers-port", type=int, metavar="PORT", help="its port (default: a free one)"
     )
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")
+
+
+def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    sizes = {
+        "--prompt-tokens": ([128, 512, 2048], "prompt lengths whose TTFT is measured, one request at a time"),
+        "--repeats": (3, "requests per prompt length"),
+        "--streams": ([1, 8, 32], "concurrent streams whose TPOT is measured"),
+        "--output-tokens": (128, "max_tokens of each stream"),
+        "--stream-prompt-tokens": (128, "prompt length of each stream"),
+    }
+    for flag, (default, text) in sizes.items():
+        many = isinstance(default, list)
+        shown = " ".join(map(str, default)) if many else default
+        parser.add_argument(
+            flag,
+            type=int,
+            nargs="+" if many else None,
+            default=default,
+            metavar="N",
+            help=f"{text} (default {shown})",
+        )
 
 
 def add_soak_arguments(parser: argparse.ArgumentParser) -> None:

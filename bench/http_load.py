@@ -1,4 +1,4 @@
-"""Open-loop load over HTTP: seeded Poisson arrivals of streamed OpenAI completions."""
+"""Open-loop load over HTTP: seeded Poisson arrivals of streamed OpenAI completions and multi-turn chats."""
 
 from __future__ import annotations
 
@@ -22,6 +22,37 @@ class LoadRequest:
     prompt: str
     max_tokens: int
     api_key: str | None
+
+    @property
+    def requests(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class ChatSession:
+    """A conversation of the load, opened at ``at``: each user turn is a streamed chat completion sent once
+    the answer to the turn before has ended, with the whole conversation so far (the server's own answers
+    included) after one system prompt."""
+
+    at: float
+    system: str
+    user_turns: tuple[str, ...]
+    max_tokens: tuple[int, ...]  # per turn
+    api_key: str | None
+
+    @property
+    def requests(self) -> int:
+        return len(self.user_turns)
+
+
+def chat_messages(session: ChatSession, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The messages of turn ``len(answers)``: the system prompt, each earlier user turn followed by its
+    answer, then this turn's user message."""
+    messages = [{"role": "system", "content": session.system}]
+    for user, answer in zip(session.user_turns, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": session.user_turns[len(answers)]})
+    return messages
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -79,49 +110,80 @@ def _read_event(record: RequestRecord, event: dict) -> None:
         text = choice.get("text") or (choice.get("delta") or {}).get("content")
         if text:
             record.chunk_times.append(time.perf_counter())
+            record.text += text
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
     usage = event.get("usage")
     if usage:
         record.output_tokens = usage.get("completion_tokens", 0)
         record.prompt_tokens = usage.get("prompt_tokens")
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 async def run_load(
     base_url: str,
     model: str,
-    load: Sequence[LoadRequest],
+    load: Sequence[LoadRequest | ChatSession],
     extra_body: dict | None = None,
     on_done: Callable[[int, int], None] | None = None,
 ) -> list[RequestRecord]:
-    """Send every request at its arrival time (open loop: nothing waits for earlier answers)."""
-    url = base_url.rstrip("/") + "/completions"
+    """Send every request at its arrival time (open loop: nothing waits for earlier answers, except a
+    conversation's next turn for the answer before it); one record per request, in the load's order.
+
+    When a turn fails, the rest of its conversation is not sent and recorded as skipped.
+    """
+    base = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(connect=30, read=600, write=30, pool=None)
+    total = sum(item.requests for item in load)
     finished = 0
+
+    def ended(count: int) -> None:
+        nonlocal finished
+        finished += count
+        if on_done and count:
+            on_done(finished, total)
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
-        async def one(request: LoadRequest) -> RequestRecord:
-            nonlocal finished
-            await asyncio.sleep(max(0.0, start + request.at - time.perf_counter()))
+        async def send(route: str, fields: dict, api_key: str | None) -> RequestRecord:
             body = {
                 "model": model,
-                "prompt": request.prompt,
-                "max_tokens": request.max_tokens,
+                **fields,
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
                 **(extra_body or {}),
             }
-            record = await stream_completion(client, url, body, request.api_key)
-            finished += 1
-            if on_done:
-                on_done(finished, len(load))
+            record = await stream_completion(client, base + route, body, api_key)
+            ended(1)
             return record
 
+        async def converse(session: ChatSession) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+            for max_tokens in session.max_tokens:
+                messages = chat_messages(session, [r.text for r in records])
+                fields = {"messages": messages, "max_tokens": max_tokens}
+                records.append(await send("/chat/completions", fields, session.api_key))
+                if not records[-1].ok:
+                    break
+            skipped = [
+                RequestRecord(sent=time.perf_counter(), skipped=True)
+                for _ in range(len(records), session.requests)
+            ]
+            ended(len(skipped))
+            return records + skipped
+
+        async def one(item: LoadRequest | ChatSession) -> list[RequestRecord]:
+            await asyncio.sleep(max(0.0, start + item.at - time.perf_counter()))
+            if isinstance(item, ChatSession):
+                return await converse(item)
+            fields = {"prompt": item.prompt, "max_tokens": item.max_tokens}
+            return [await send("/completions", fields, item.api_key)]
+
         start = time.perf_counter()
-        return list(await asyncio.gather(*(one(r) for r in load)))
+        results = await asyncio.gather(*(one(item) for item in load))
+    return [record for records in results for record in records]
 
 
 async def served_model(base_url: str, api_key: str | None) -> str:

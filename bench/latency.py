@@ -19,9 +19,12 @@ class RequestRecord:
     error: str | None = None  # transport error or an error event inside the stream
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     done: float | None = None
+    text: str = ""  # the answer's text, as streamed
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server says it took from its cache
     finish_reason: str | None = None
+    skipped: bool = False  # never sent: an earlier turn of its conversation failed
 
     @property
     def ok(self) -> bool:
@@ -63,19 +66,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def _ms_summary(values: Sequence[float]) -> dict[str, float | None]:
-    summary: dict[str, float | None] = {f"p{q}": _ms(percentile(values, q)) for q in PERCENTILES}
-    summary["mean"] = _ms(sum(values) / len(values)) if values else None
+    summary: dict[str, float | None] = {f"p{q}": ms(percentile(values, q)) for q in PERCENTILES}
+    summary["mean"] = ms(sum(values) / len(values)) if values else None
     return summary
 
 
-def _ms(seconds: float | None) -> float | None:
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds rounded to 0.01 (None stays None)."""
     return None if seconds is None else round(seconds * 1000, 2)
 
 
 def summarize(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    """The figures of one run: latency percentiles (ms), throughput, goodput and refusals by status.
+    """The figures of one run: latency percentiles (ms), throughput, goodput, refusals by status, and the
+    share of prompt tokens the server took from its cache (None when it does not say).
 
     The run's duration spans from the first request sent to the last one ended, whatever its outcome.
+    Skipped requests (never sent) count in the SLO attainment's denominator but not as refusals.
     """
     if not records:
         raise ValueError("no requests to summarize")
@@ -84,22 +90,29 @@ def summarize(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: f
     duration = max(max(ends) - min(r.sent for r in records), 1e-9)
     good = sum(r.meets(slo_ttft_s, slo_tpot_s) for r in ok)
     refused = Counter(
-        str(r.status) if r.status is not None else "connection" for r in records if r.status != 200
+        str(r.status) if r.status is not None else "connection"
+        for r in records
+        if r.status != 200 and not r.skipped
     )
     failed = sum(1 for r in records if r.status == 200 and not r.ok)
     output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "requests": len(records),
         "completed": len(ok),
         "failed_in_stream": failed,
         "refused": dict(sorted(refused.items())),
         "refused_total": sum(refused.values()),
+        "skipped": sum(1 for r in records if r.skipped),
         "duration_s": round(duration, 3),
         "request_throughput_rps": round(len(ok) / duration, 4),
         "output_tokens_per_s": round(output_tokens / duration, 3),
         "goodput_rps": round(good / duration, 4),
         "slo_attainment": round(good / len(records), 4),
         "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "cached_pct": round(100 * sum(cached) / prompt_tokens, 2) if cached and prompt_tokens else None,
         "ended_by_stop": sum(1 for r in ok if r.finish_reason == "stop"),
         "ttft_ms": _ms_summary([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": _ms_summary([r.tpot for r in ok if r.tpot is not None]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -36,11 +36,29 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def ratio(value: float | None, base: float | None) -> float | None:
+    """``value / base`` to three decimals; None when either is missing or ``base`` is zero."""
+    return None if value is None or not base else round(value / base, 3)
+
+
+def format_ratio(value: float | None) -> str | None:
+    """A ratio as ``1.23x`` (None stays None, shown as ``-`` in a table)."""
+    return None if value is None else f"{value:.2f}x"
+
+
 def write_json(path: str | Path, data: dict) -> None:
     """Write ``data`` as indented JSON, creating parent directories."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def publish(result: dict, out: str | None, table: Callable[[dict], str]) -> None:
+    """Write ``result`` as JSON to ``out`` when one is given, then print its table on stdout."""
+    if out:
+        write_json(out, result)
+        progress(f"wrote {out}")
+    print(table(result))
 
 
 def progress(message: str) -> None:

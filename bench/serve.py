@@ -1,15 +1,18 @@
 """Online benchmark: the same seeded Poisson load, streamed over HTTP, against OpenAI-compatible servers.
 
     weir bench serve --base-url http://127.0.0.1:8000/v1 --keys keys.txt --tenants 3 \\
-        --rate 0.25 0.5 1 --requests 32 --compare-transformers --out serve.json
+        --rate 0.25 0.5 1 --requests 32 --peer vllm=http://127.0.0.1:8001/v1 --out serve.json
 
-Each rate runs against ``--base-url`` (named ``--name``, default ``weir``) and, with
-``--compare-transformers``, against `transformers serve --continuous-batching` started here on another port
-with the same model directory. The comparison rate is the lowest one at which the reference system (the
-peer when there is one) meets its SLO for fewer than ``--slo-attainment`` of requests — the load where it
-starts missing its SLO — or the highest rate when it never misses. Requests are greedy completions of
-random real-token prompts (which do not end early) capped by ``max_tokens``; each system's output token total
-and count of requests ended by EOS are reported so that equal work can be checked.
+At each rate the load runs against ``--base-url`` (named ``--name``, default ``weir``), then against
+`transformers serve --continuous-batching` started here with ``--compare-transformers``, then against each
+``--peer``, one server after the other. Every rate draws prompts of its own (from the seed and the rate's
+index), so no server's prefix cache holds a previous rate's work. The comparison rate is the lowest one at
+which the reference system (the first peer when there is one) meets its SLO for fewer than
+``--slo-attainment`` of requests — the load where it starts missing its SLO — or the highest rate when it
+never misses. The default workload is greedy completions of random real-token prompts (which do not end
+early) capped by ``max_tokens``; ``--workload shared-prefix`` is multi-turn chats after one long common
+system prompt. Each system's output token total and count of requests ended by EOS are reported so that
+equal work can be checked.
 """
 
 from __future__ import annotations
@@ -17,53 +20,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
-
-from bench.http_load import LoadRequest, poisson_arrivals, run_load, served_model
+from bench.http_load import ChatSession, LoadRequest, poisson_arrivals, run_load
 from bench.latency import summarize
-from bench.report import format_table, progress, write_json
-from bench.workload import FULL, QUICK, WorkloadSpec, make_workload, ordinary_token_ids
+from bench.report import format_ratio, format_table, progress, publish, ratio
+from bench.targets import Target, comparison_targets
+from bench.workload import (
+    CHAT_TURNS,
+    CHAT_TURNS_QUICK,
+    FULL,
+    QUICK,
+    ChatSpec,
+    WorkloadSpec,
+    derived_seed,
+    make_chat_workload,
+    make_workload,
+    ordinary_token_ids,
+    prompt_text,
+    redraw_prompts,
+)
 
 PEER = "transformers_serve"
+SHAPES = {  # (--workload, --quick): request or turn count, prompt or user turn lengths, output lengths
+    ("random", False): FULL,
+    ("random", True): QUICK,
+    ("shared-prefix", False): CHAT_TURNS,
+    ("shared-prefix", True): CHAT_TURNS_QUICK,
+}
+Load = list[LoadRequest] | list[ChatSession]
 
 
-def read_keys(path: str | None, tenants: int | None) -> list[str | None]:
-    """The first ``tenants`` keys of the file (all when None; one per line, ``#`` comments), or no key."""
-    if path is None:
-        if tenants is not None and tenants > 1:
-            raise SystemExit(
-                "weir bench serve: error: --tenants above 1 needs --keys FILE (one key per tenant)"
-            )
-        return [None]
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise SystemExit(f"weir bench serve: error: cannot read --keys {path}: {exc.strerror}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise SystemExit(f"weir bench serve: error: --keys {path} holds no key")
-    if tenants is not None and len(keys) < tenants:
-        raise SystemExit(f"weir bench serve: error: --tenants {tenants} but {path} holds {len(keys)} key(s)")
-    return keys[:tenants]
-
-
-def prompt_text(tokenizer, ids: list[int]) -> str:
-    """Text that the tokenizer encodes to (about) ``len(ids)`` tokens, made from those ids."""
-    target = len(ids)
-    text = tokenizer.decode(ids)
-    for _ in range(3):
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) <= target:
-            break
-        text = tokenizer.decode(encoded[:target])
-    return text
-
-
-def build_load(tokenizer, spec: WorkloadSpec, rate: float, keys: list[str | None]) -> list[LoadRequest]:
-    """The seeded requests of ``spec`` at Poisson arrival times of ``rate``, keys dealt round-robin."""
-    workload = make_workload(spec, ordinary_token_ids(tokenizer))
+def build_load(
+    tokenizer, spec: WorkloadSpec, rate: float, keys: list[str | None], rate_index: int = 0
+) -> list[LoadRequest]:
+    """The requests of ``spec`` for rate number ``rate_index``: lengths from the spec's seed, prompt tokens
+    from the seed and ``rate_index`` (so rates share no prompt prefix), Poisson arrival times of ``rate``
+    (the same pattern, scaled, at every rate), keys dealt round-robin."""
+    ids = ordinary_token_ids(tokenizer)
+    workload = redraw_prompts(make_workload(spec, ids), ids, derived_seed(spec.seed, rate_index))
     arrivals = poisson_arrivals(len(workload), rate, spec.seed)
     return [
         LoadRequest(at, prompt_text(tokenizer, list(r.prompt_ids)), r.output_len, keys[i % len(keys)])
@@ -71,24 +68,70 @@ def build_load(tokenizer, spec: WorkloadSpec, rate: float, keys: list[str | None
     ]
 
 
-async def _bench_system(name: str, base_url: str, load: list[LoadRequest], args) -> dict:
-    """Warm the server up with one short request, then run the load and summarize it."""
-    try:
-        model = args.model_name or await served_model(base_url, load[0].api_key)
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        raise SystemExit(
-            f"weir bench serve: error: {name} at {base_url}: cannot list models ({exc})"
-        ) from None
-    warm = [LoadRequest(0.0, load[0].prompt, 4, load[0].api_key)]
-    await run_load(base_url, model, warm)
+def build_chat_load(
+    tokenizer, spec: ChatSpec, rate: float, keys: list[str | None], rate_index: int = 0
+) -> list[ChatSession]:
+    """The conversations of ``spec`` for rate number ``rate_index``, opened at Poisson times of ``rate``:
+    one system prompt for all of them, drawn afresh (like the user turns) for each rate."""
+    ids = ordinary_token_ids(tokenizer)
+    workload = make_chat_workload(spec, ids, derived_seed(spec.shape.seed, rate_index))
+    system = prompt_text(tokenizer, list(workload.system_ids))
+    arrivals = poisson_arrivals(len(workload.conversations), rate, spec.shape.seed)
+    return [
+        ChatSession(
+            at,
+            system,
+            tuple(prompt_text(tokenizer, list(turn.prompt_ids)) for turn in turns),
+            tuple(turn.output_len for turn in turns),
+            keys[i % len(keys)],
+        )
+        for i, (at, turns) in enumerate(zip(arrivals, workload.conversations, strict=True))
+    ]
 
+
+async def _sweep(targets: list[Target], load_at: Callable[[int, float], Load], args) -> list[dict]:
+    """Each rate's load against every target in order; each peer's ratios to the first target."""
+    models = {target.name: await target.ready_model("serve") for target in targets}
+    sweep = []
+    for index, rate in enumerate(args.rate):
+        load = load_at(index, rate)
+        point: dict = {"rate_rps": rate, "systems": {}}
+        for target in targets:
+            progress(f"rate {rate} req/s: {len(load)} {_unit(args)} to {target.name} ({target.base_url})")
+            records = await run_load(
+                target.base_url, models[target.name], target.deal(load), on_done=_progress(target.name)
+            )
+            summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            point["systems"][target.name] = {
+                "base_url": target.base_url,
+                "model": models[target.name],
+                **summary,
+            }
+        base = point["systems"][targets[0].name]
+        point["ratios"] = {t.name: peer_ratios(point["systems"][t.name], base) for t in targets[1:]}
+        sweep.append(point)
+    return sweep
+
+
+def _unit(args: argparse.Namespace) -> str:
+    return "conversations" if args.workload == "shared-prefix" else "requests"
+
+
+def _progress(name: str) -> Callable[[int, int], None]:
     def on_done(done: int, total: int) -> None:
         if done == total or done % max(1, total // 8) == 0:
             progress(f"  {name}: {done}/{total} requests ended")
 
-    records = await run_load(base_url, model, load, on_done=on_done)
-    summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-    return {"base_url": base_url, "model": model, **summary}
+    return on_done
+
+
+def peer_ratios(peer: dict, base: dict) -> dict[str, float | None]:
+    """A peer's goodput and p50 TTFT and TPOT divided by the base system's."""
+    return {
+        "goodput": ratio(peer["goodput_rps"], base["goodput_rps"]),
+        "ttft_p50": ratio(peer["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+        "tpot_p50": ratio(peer["tpot_ms"]["p50"], base["tpot_ms"]["p50"]),
+    }
 
 
 def comparison_point(sweep: list[dict], reference: str, attainment: float) -> tuple[dict, str]:
@@ -105,41 +148,53 @@ def comparison_point(sweep: list[dict], reference: str, attainment: float) -> tu
 def run(args: argparse.Namespace) -> dict:
     from bench.model import bench_device, bench_model_dir, load_tokenizer
 
-    keys = read_keys(args.keys, args.tenants)
+    targets = comparison_targets(args, "serve", args.tenants)
     model_dir = bench_model_dir(args.model, "serve")
     tokenizer = load_tokenizer(model_dir)
-    shape = QUICK if args.quick else FULL
+    chat = args.workload == "shared-prefix"
+    shape = SHAPES[args.workload, args.quick]
     spec = WorkloadSpec(args.requests, shape.prompt_len, shape.output_len, seed=args.seed)
-    targets = {args.name: args.base_url}
-    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
+    chat_spec = ChatSpec(spec, args.system_prompt_tokens, args.turns)
+
+    def load_at(index: int, rate: float) -> Load:
+        if chat:
+            return build_chat_load(tokenizer, chat_spec, rate, [None], index)
+        return build_load(tokenizer, spec, rate, [None], index)
+
+    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp, ExitStack() as servers:
         if args.compare_transformers:
             from bench.peer_server import PeerServerError, free_port, transformers_server
 
-            log = Path(tmp) / "transformers.log"
             try:
                 port = free_port(args.transformers_port or 0)
                 progress(f"starting transformers serve --continuous-batching on port {port} ({model_dir})")
-                with transformers_server(
-                    model_dir, port, bench_device(), args.transformers_kv_mib << 20, log
-                ) as url:
-                    targets[PEER] = url
-                    sweep = _sweep(targets, tokenizer, spec, keys, args)
+                url = servers.enter_context(
+                    transformers_server(
+                        model_dir, port, bench_device(), args.transformers_kv_mib << 20, Path(tmp) / "tf.log"
+                    )
+                )
             except PeerServerError as exc:
                 raise SystemExit(f"weir bench serve: error: {exc}") from None
-        else:
-            sweep = _sweep(targets, tokenizer, spec, keys, args)
-    reference = PEER if args.compare_transformers else args.name
+            targets.insert(1, Target(PEER, url))
+        sweep = asyncio.run(_sweep(targets, load_at, args))
+    reference = targets[1].name if len(targets) > 1 else args.name
     chosen, note = comparison_point(sweep, reference, args.slo_attainment)
+    workload = {
+        "kind": args.workload,
+        "requests": spec.num_requests,
+        "prompt_len": list(spec.prompt_len),
+        "output_len": list(spec.output_len),
+        "seed": spec.seed,
+        "tenants": len(targets[0].keys),
+    }
+    if chat:
+        workload.update(
+            conversations=spec.num_requests, system_prompt_tokens=args.system_prompt_tokens, turns=args.turns
+        )
     result = {
         "benchmark": "serve",
         "model_dir": str(model_dir),
-        "workload": {
-            "requests": spec.num_requests,
-            "prompt_len": list(spec.prompt_len),
-            "output_len": list(spec.output_len),
-            "seed": spec.seed,
-            "tenants": len(keys),
-        },
+        "workload": workload,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": args.slo_attainment},
         "comparison_rate_rps": chosen["rate_rps"],
         "comparison_note": note,
@@ -147,31 +202,18 @@ def run(args: argparse.Namespace) -> dict:
         "sweep": sweep,
     }
     if args.compare_transformers:
-        result["goodput_ratio"] = _ratio(chosen["systems"][args.name], chosen["systems"][PEER], "goodput_rps")
+        systems = chosen["systems"]
+        result["goodput_ratio"] = ratio(systems[args.name]["goodput_rps"], systems[PEER]["goodput_rps"])
     return result
 
 
-def _sweep(targets: dict[str, str], tokenizer, spec: WorkloadSpec, keys, args) -> list[dict]:
-    sweep = []
-    for rate in args.rate:
-        load = build_load(tokenizer, spec, rate, keys)
-        point: dict = {"rate_rps": rate, "systems": {}}
-        for name, url in targets.items():
-            progress(f"rate {rate} req/s: {len(load)} requests to {name} ({url})")
-            point["systems"][name] = asyncio.run(_bench_system(name, url, load, args))
-        sweep.append(point)
-    return sweep
-
-
-def _ratio(mine: dict, theirs: dict, key: str) -> float | None:
-    return round(mine[key] / theirs[key], 3) if theirs[key] else None
-
-
 def render(result: dict, name: str) -> str:
-    """The sweep as one table, then the comparison at the chosen rate."""
+    """The sweep as one table (each peer's goodput, TTFT and TPOT as a multiple of ``name``'s), then the
+    comparison at the chosen rate."""
     rows = []
     for point in result["sweep"]:
         for system, s in point["systems"].items():
+            ratios = point["ratios"].get(system, {})
             rows.append(
                 [
                     point["rate_rps"],
@@ -185,7 +227,9 @@ def render(result: dict, name: str) -> str:
                     s["tpot_ms"]["p99"],
                     s["e2e_ms"]["p99"],
                     s["output_tokens"],
+                    s["cached_pct"],
                     s["refused_total"],
+                    *(format_ratio(ratios.get(key)) for key in ("goodput", "ttft_p50", "tpot_p50")),
                 ]
             )
     headers = [
@@ -200,7 +244,11 @@ def render(result: dict, name: str) -> str:
         "TPOT p99",
         "E2E p99",
         "out tokens",
+        "cached %",
         "refused",
+        f"goodput/{name}",
+        f"TTFT p50/{name}",
+        f"TPOT p50/{name}",
     ]
     slo = result["slo"]
     lines = [
@@ -211,21 +259,20 @@ def render(result: dict, name: str) -> str:
     lines.append(result["comparison_note"])
     if "goodput_ratio" in result:
         mine, peer = result["systems"][name], result["systems"][PEER]
-        ratio = result["goodput_ratio"]
-        shown = (
-            f"{ratio:.2f}x"
-            if ratio is not None
-            else "unbounded (transformers serve met its SLO for no request)"
-        )
-        tokens = _ratio(mine, peer, "output_tokens_per_s")
+        goodput = result["goodput_ratio"]
+        shown = format_ratio(goodput) or "unbounded (transformers serve met its SLO for no request)"
+        tokens = format_ratio(ratio(mine["output_tokens_per_s"], peer["output_tokens_per_s"]))
         lines.append(
             f"at {rate} req/s: goodput {name} {mine['goodput_rps']} r/s vs transformers serve "
-            f"{peer['goodput_rps']} r/s: {shown} (target >= 5x); output tokens/s ratio "
-            + ("-" if tokens is None else f"{tokens:.2f}x")
+            f"{peer['goodput_rps']} r/s: {shown} (target >= 5x); output tokens/s ratio {tokens or '-'}"
         )
     for system, s in result["systems"].items():
         if s["refused"]:
             lines.append(f"{system} refusals at {rate} req/s by status: {s['refused']}")
+        if s["skipped"]:
+            lines.append(
+                f"{system}: {s['skipped']} turns at {rate} req/s not sent after an earlier turn failed"
+            )
     return "\n".join(lines)
 
 
@@ -238,19 +285,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("weir bench serve: error: --rate values must be positive")
     if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0 or not 0 < args.slo_attainment <= 1:
         raise SystemExit("weir bench serve: error: SLO values must be positive (attainment in (0, 1])")
-    if not args.base_url.startswith(("http://", "https://")):
-        raise SystemExit(
-            f"weir bench serve: error: --base-url must start with http:// or https://, got {args.base_url!r}"
-        )
+    if args.system_prompt_tokens < 1 or args.turns < 1:
+        raise SystemExit("weir bench serve: error: --system-prompt-tokens and --turns must be at least 1")
 
 
 def main(args: argparse.Namespace) -> int:
     check_arguments(args)
-    result = run(args)
-    if args.out:
-        write_json(args.out, result)
-        progress(f"wrote {args.out}")
-    print(render(result, args.name))
+    publish(run(args), args.out, lambda result: render(result, args.name))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Seeded benchmark workloads: prompt token ids and output lengths drawn from uniform ranges."""
+"""Seeded benchmark workloads: prompt token ids and output lengths drawn from uniform ranges, and
+multi-turn chats after one shared system prompt."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class WorkloadSpec:
 
 FULL = WorkloadSpec()
 QUICK = WorkloadSpec(num_requests=8, prompt_len=(16, 128), output_len=(8, 32))
+CHAT_TURNS = WorkloadSpec(prompt_len=(16, 128))  # a shared-prefix chat's user turns and answers
+CHAT_TURNS_QUICK = WorkloadSpec(num_requests=8, prompt_len=(8, 32), output_len=(8, 32))
 
 
 def make_workload(spec: WorkloadSpec, token_ids: Sequence[int]) -> list[BenchRequest]:
@@ -56,6 +59,74 @@ def make_workload(spec: WorkloadSpec, token_ids: Sequence[int]) -> list[BenchReq
         prompt = tuple(rng.choice(token_ids) for _ in range(prompt_len))
         requests.append(BenchRequest(prompt_ids=prompt, output_len=output_len))
     return requests
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of part ``index`` of a run seeded ``seed``: the same pair always gives the same seed, and
+    different indexes give unrelated ones."""
+    return random.Random(f"{seed}/{index}").getrandbits(63)
+
+
+def redraw_prompts(
+    requests: Sequence[BenchRequest], token_ids: Sequence[int], seed: int
+) -> list[BenchRequest]:
+    """The same prompt and output lengths with prompt tokens drawn afresh from ``token_ids`` (seeded)."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest(tuple(rng.choice(token_ids) for _ in range(r.prompt_len)), r.output_len)
+        for r in requests
+    ]
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """The shared-prefix workload: ``shape.num_requests`` conversations of ``turns`` user turns, each turn's
+    length and output length drawn from ``shape``, all after one system prompt of ``system_len`` tokens."""
+
+    shape: WorkloadSpec
+    system_len: int = 768
+    turns: int = 3
+
+    def __post_init__(self) -> None:
+        if self.system_len < 1 or self.turns < 1:
+            raise ValueError("a chat workload needs a system prompt and at least one turn")
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """The system prompt's token ids and each conversation's turns (user token ids, output length)."""
+
+    system_ids: tuple[int, ...]
+    conversations: list[tuple[BenchRequest, ...]]
+
+
+def make_chat_workload(spec: ChatSpec, token_ids: Sequence[int], prompt_seed: int) -> ChatWorkload:
+    """Lengths drawn with ``spec.shape.seed``; the system prompt and user turns drawn from ``token_ids``
+    with ``prompt_seed``, so that another prompt seed gives other text of the same shape."""
+    lengths, tokens = random.Random(spec.shape.seed), random.Random(prompt_seed)
+
+    def draw(count: int) -> tuple[int, ...]:
+        return tuple(tokens.choice(token_ids) for _ in range(count))
+
+    def turn() -> BenchRequest:
+        user_len = lengths.randint(*spec.shape.prompt_len)
+        return BenchRequest(draw(user_len), lengths.randint(*spec.shape.output_len))
+
+    system = draw(spec.system_len)
+    conversations = [tuple(turn() for _ in range(spec.turns)) for _ in range(spec.shape.num_requests)]
+    return ChatWorkload(system, conversations)
+
+
+def prompt_text(tokenizer, ids: list[int]) -> str:
+    """Text that the tokenizer encodes to (about) ``len(ids)`` tokens, made from those ids."""
+    target = len(ids)
+    text = tokenizer.decode(ids)
+    for _ in range(3):
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) <= target:
+            break
+        text = tokenizer.decode(encoded[:target])
+    return text
 
 
 def ordinary_token_ids(tokenizer) -> list[int]:

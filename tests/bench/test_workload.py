@@ -8,7 +8,14 @@ import pytest
 
 from bench.latency import RequestRecord, percentile, summarize
 from bench.report import format_table, write_json
-from bench.workload import WorkloadSpec, make_workload
+from bench.workload import (
+    ChatSpec,
+    WorkloadSpec,
+    derived_seed,
+    make_chat_workload,
+    make_workload,
+    redraw_prompts,
+)
 
 IDS = list(range(100, 400))
 
@@ -27,6 +34,36 @@ def test_workload_is_seeded_and_within_its_ranges():
 def test_bad_workload_spec_is_refused(bad):
     with pytest.raises(ValueError):
         WorkloadSpec(**bad)
+
+
+def test_redrawn_prompts_keep_the_lengths_with_other_tokens():
+    base = make_workload(WorkloadSpec(12, (5, 30), (2, 9), seed=3), IDS)
+    first, second = (
+        redraw_prompts(base, IDS, derived_seed(3, 0)),
+        redraw_prompts(base, IDS, derived_seed(3, 1)),
+    )
+    assert first == redraw_prompts(base, IDS, derived_seed(3, 0))
+    for a, b, r in zip(first, second, base, strict=True):
+        assert (a.prompt_len, a.output_len) == (b.prompt_len, b.output_len) == (r.prompt_len, r.output_len)
+    assert [r.prompt_ids for r in first] != [r.prompt_ids for r in second]
+    assert derived_seed(3, 1) not in (derived_seed(3, 0), derived_seed(4, 1))
+
+
+def test_chat_workload_shares_one_system_prompt_over_its_turns():
+    spec = ChatSpec(WorkloadSpec(5, (4, 10), (2, 6), seed=2), system_len=40, turns=3)
+    chats = make_chat_workload(spec, IDS, prompt_seed=11)
+    assert chats == make_chat_workload(spec, IDS, prompt_seed=11)
+    assert len(chats.system_ids) == 40 and set(chats.system_ids) <= set(IDS)
+    assert [len(turns) for turns in chats.conversations] == [3] * 5
+    assert all(
+        4 <= t.prompt_len <= 10 and 2 <= t.output_len <= 6 for turns in chats.conversations for t in turns
+    )
+    other = make_chat_workload(spec, IDS, prompt_seed=12)
+    assert other.system_ids != chats.system_ids
+    shape = [[(t.prompt_len, t.output_len) for t in turns] for turns in chats.conversations]
+    assert shape == [[(t.prompt_len, t.output_len) for t in turns] for turns in other.conversations]
+    with pytest.raises(ValueError):
+        ChatSpec(WorkloadSpec(), turns=0)
 
 
 def _record(sent, status=200, ttft=None, gap=0.0, tokens=0):
@@ -55,6 +92,21 @@ def test_summary_counts_goodput_refusals_and_percentiles():
     assert summary["output_tokens_per_s"] == pytest.approx(33 / duration, rel=1e-3)
     assert summary["ttft_ms"]["p50"] == pytest.approx(500)
     assert summary["tpot_ms"]["p99"] == pytest.approx(percentile([100, 100, 300], 99), rel=1e-6)
+
+
+def test_summary_counts_cached_prompt_tokens_and_skipped_turns():
+    served = [_record(0.0, ttft=0.5, gap=0.1, tokens=5), _record(1.0, ttft=0.5, gap=0.1, tokens=5)]
+    for record, (prompt, cached) in zip(served, [(100, 0), (300, 240)], strict=True):
+        record.prompt_tokens, record.cached_tokens = prompt, cached
+    skipped = RequestRecord(sent=2.0, skipped=True)
+    summary = summarize([*served, skipped], slo_ttft_s=2.0, slo_tpot_s=0.2)
+    assert summary["cached_pct"] == pytest.approx(60.0)
+    assert summary["prompt_tokens"] == 400
+    assert (summary["skipped"], summary["refused"], summary["refused_total"]) == (1, {}, 0)
+    assert summary["slo_attainment"] == round(2 / 3, 4)
+    silent = _record(0.0, ttft=0.5, gap=0.1, tokens=5)
+    silent.prompt_tokens = 50  # a server that reports no cached tokens
+    assert summarize([silent], 2.0, 0.2)["cached_pct"] is None
 
 
 def test_percentile_interpolates_between_ranks():
