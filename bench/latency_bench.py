@@ -172,6 +172,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             "weir bench latency: error: --prompt-tokens, --streams, --repeats and --stream-prompt-tokens "
             "must be at least 1"
         )
+    for option, values in (("--prompt-tokens", args.prompt_tokens), ("--streams", args.streams)):
+        if len(set(values)) < len(values):
+            raise SystemExit(f"weir bench latency: error: {option} repeats a value")
     if args.output_tokens < 2:
         raise SystemExit("weir bench latency: error: --output-tokens must be at least 2 (TPOT needs two)")
 
