@@ -67,7 +67,7 @@ def test_remaining_tokens_fall_by_each_reservation(api_server: ApiServer, make_t
     client = _client(api_server, key)
     model = _model(api_server)
     start = time.monotonic()
-    previous = None
+    previous = previous_sent = None
     for _ in range(3):
         sent = time.monotonic()
         raw = client.completions.with_raw_response.create(
@@ -77,10 +77,10 @@ def test_remaining_tokens_fall_by_each_reservation(api_server: ApiServer, make_t
         remaining = _assert_allowance(raw.headers, slots_left=3)
         if previous is None:  # a full bucket less this reservation, plus what refilled since
             assert PER_MINUTE - COST - 1 <= remaining <= PER_MINUTE - COST + 10 * (time.monotonic() - start)
-        else:  # less by this reservation, plus at most the refill between the two answers
-            refill = 10 * (time.monotonic() - sent)
+        else:  # less by this reservation, plus at most the refill since the previous request was sent
+            refill = 10 * (time.monotonic() - previous_sent)
             assert previous - COST - 1 <= remaining <= previous - COST + refill + 1
-        previous = remaining
+        previous, previous_sent = remaining, sent
 
 
 def test_unlimited_tenant_gets_no_rate_limit_headers(api_server: ApiServer, make_tenant) -> None:
