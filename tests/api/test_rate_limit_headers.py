@@ -68,10 +68,12 @@ def test_remaining_tokens_fall_by_each_reservation(api_server: ApiServer, make_t
     model = _model(api_server)
     start = time.monotonic()
     previous = previous_sent = None
-    for _ in range(3):
+    for i in range(3):
         sent = time.monotonic()
-        raw = client.completions.with_raw_response.create(
-            model=model, prompt=PROMPT, max_tokens=OUTPUT, temperature=0
+        raw = (
+            client.completions.with_raw_response.create(  # a prompt of its own: nothing comes from the cache
+                model=model, prompt=[7 + i] * len(PROMPT), max_tokens=OUTPUT, temperature=0
+            )
         )
         assert raw.parse().usage.completion_tokens == OUTPUT  # billed exactly what was reserved
         remaining = _assert_allowance(raw.headers, slots_left=3)
