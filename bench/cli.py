@@ -253,4 +253,7 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, metavar="S", help="seed of the mix and arrivals (default 0)"
     )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="the server's weight and KV dtype (default auto)"
+    )
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")

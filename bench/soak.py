@@ -1,6 +1,6 @@
 """Soak benchmark: a ``weir serve`` of its own under a steady mixed load for minutes, checked for leaks.
 
-    weir bench soak --minutes 30 [--load 0.8] [--sample-s 10] [--model PATH] [--port P] [--out FILE.json]
+    weir bench soak --minutes 30 [--load 0.8] [--sample-s 10] [--model PATH] [--dtype D] [--out FILE.json]
 
 1. A database: ``DATABASE_URL`` when set, else a throwaway embedded PostgreSQL in a temporary state
    directory; two tenants without limits and one with a tiny per-minute cost limit, a key each.
@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> dict:
         tenants = asyncio.run(create_soak_tenants(url))
         progress(f"starting weir serve on port {port} ({model_dir})")
         try:
-            with weir_serve(model_dir, port, url, Path(tmp), "--log-level", "warning") as server:
+            options = ("--dtype", args.dtype, "--log-level", "warning")
+            with weir_serve(model_dir, port, url, Path(tmp), *options) as server:
                 result = asyncio.run(drive(server, tokenizer, tenants, args))
         except ServerError as exc:
             raise SystemExit(f"weir bench soak: error: {exc}") from None
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> dict:
             "capacity_s": args.capacity_s,
             "capacity_clients": args.capacity_clients,
             "seed": args.seed,
+            "dtype": args.dtype,
             "mix": asdict(Mix()),
             "over_quota_cost_per_minute": OVER_QUOTA_COST_PER_MINUTE,
         },
