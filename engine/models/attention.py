@@ -1,27 +1,38 @@
 """Attention over the paged KV cache.
 
-The step's metadata (which blocks each sequence reads, padding and causal masks) is built once per step by
-:meth:`AttentionPlan.build` and reused by every layer. Decodes (query length 1) run together as a padded
-batch: their context blocks are gathered with one ``index_select`` and attended in one SDPA call, with the
-query heads of each KV head grouped so K/V are never repeated; decodes of very different context lengths
-are split into a few groups of similar length so that little of the padded layout is wasted. Prefill
-chunks run one SDPA call each: a chunk that starts its sequence attends causally to the step's own K/V; a
-later chunk reads its earlier context from its blocks with a causal mask offset by that context.
+The step's metadata is built once per step by :meth:`AttentionPlan.build` and reused by every layer. There
+are two implementations, chosen per step by ``$WEIR_ATTENTION``:
+
+- ``kernel`` (the default): the C++ kernel of ``engine/models/paged_kernel.py`` reads each sequence's blocks
+  in place, decodes and prefill chunks together in one call per layer. It runs CPU steps in fp32 and bf16
+  with head sizes 16, 32, 64 and 128; any other step, or a machine where it cannot be built, takes the
+  reference.
+- ``reference``: the context blocks are gathered into contiguous buffers, then attended with SDPA. Decodes
+  (query length 1) run together as a padded batch: their context blocks are gathered with one
+  ``index_select`` and attended in one SDPA call, with the query heads of each KV head grouped so K/V are
+  never repeated; decodes of very different context lengths are split into a few groups of similar length
+  so that little of the padded layout is wasted. Prefill chunks run one SDPA call each: a chunk that starts
+  its sequence attends causally to the step's own K/V; a later chunk reads its earlier context from its
+  blocks with a causal mask offset by that context.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.batch import StepBatch
+from engine.models.paged_kernel import KernelBatch, kernel_available, kernel_supports
 
 # Planning cost of one more decode group, in padded context tokens (an extra gather and SDPA call per layer).
 GROUP_COST_TOKENS = 256
 # At most this many candidate group boundaries are considered (keeps planning cheap for huge batches).
 MAX_GROUP_BOUNDARIES = 64
+ATTENTION_ENV = "WEIR_ATTENTION"
+BACKENDS = ("kernel", "reference")
 
 
 @dataclass(frozen=True)
@@ -53,12 +64,20 @@ class AttentionPlan:
     decodes: list[DecodeGroup]
     prefills: list[PrefillPlan]
     scale: float
+    kernel: KernelBatch | None = None  # set when the kernel runs this step (decodes and prefills empty)
 
     @classmethod
     def build(
-        cls, batch: StepBatch, block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype
+        cls,
+        batch: StepBatch,
+        block_size: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: str | None = None,
     ) -> AttentionPlan:
-        """Plan attention for ``batch``; raise ValueError when its per-sequence lists disagree."""
+        """Plan attention for ``batch`` with ``backend`` (default: :func:`attention_backend`); raise
+        ValueError when its per-sequence lists disagree, RuntimeError for a kernel that could not be built."""
         count = len(batch.query_lens)
         if len(batch.context_lens) != count or len(batch.block_tables) != count:
             raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
@@ -78,6 +97,15 @@ class AttentionPlan:
             raise ValueError(f"num_decodes {batch.num_decodes} is not between 0 and {count} sequences")
         if any(q_len != 1 for q_len in batch.query_lens[: batch.num_decodes]):
             raise ValueError("the first num_decodes sequences must have query length 1")
+        if (backend or attention_backend(device, dtype, head_dim)) == "kernel":
+            if not kernel_available():
+                raise RuntimeError("the paged attention kernel could not be built (see the log)")
+            return cls(
+                decodes=[],
+                prefills=[],
+                scale=head_dim**-0.5,
+                kernel=KernelBatch.from_batch(batch, block_size),
+            )
         decodes = _plan_decodes(batch, block_size, device, dtype)
         prefills = []
         start = batch.num_decodes
@@ -85,6 +113,18 @@ class AttentionPlan:
             prefills.append(_plan_prefill(batch, seq, start, block_size, device))
             start += batch.query_lens[seq]
         return cls(decodes=decodes, prefills=prefills, scale=head_dim**-0.5)
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``$WEIR_ATTENTION`` (``kernel`` by default, or ``reference``), falling back to the reference where the
+    kernel does not run: not a CPU step in fp32 or bf16, a head size it is not compiled for, or a machine
+    where it could not be built."""
+    chosen = os.environ.get(ATTENTION_ENV, "kernel")
+    if chosen not in BACKENDS:
+        raise ValueError(f"{ATTENTION_ENV} must be one of {', '.join(BACKENDS)}, got {chosen!r}")
+    if chosen == "kernel" and kernel_supports(device, dtype, head_dim) and kernel_available():
+        return "kernel"
+    return "reference"
 
 
 def _plan_decodes(
@@ -213,6 +253,9 @@ def paged_attention(
 
     ``k``/``v`` [T, kv_heads, head_dim] are the step's own keys and values, already written to the caches.
     """
+    if plan.kernel is not None:
+        return plan.kernel.attend(q, key_cache, value_cache, plan.scale)
+    # the reference: gathered context and SDPA
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = key_cache.shape[1]
     group_size = num_heads // kv_heads
