@@ -1,11 +1,13 @@
 """Step time of the model with the paged attention kernel against the reference gather + SDPA attention.
 
     .venv/bin/python bench/attention_kernel.py [--model DIR] [--dtype float32 bfloat16] [--repeats 7]
+                                               [--threads N]
 
 Decode steps of 1, 16 and 32 sequences, each with 512 tokens of context, and one prefill chunk of 256
 tokens after 512 tokens of context, over a KV cache of random values (block size 16) whose blocks are
 shuffled across the pool. ``$WEIR_ATTENTION`` chooses the attention for each run; each figure is the
-fastest of ``--repeats`` steps (another load on the machine only adds time).
+fastest of ``--repeats`` steps (another load on the machine only adds time). On a machine shared with other
+work, ``--threads 1`` gives steadier figures: torch's threads wait for each other at every operator.
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ def main() -> int:
     parser.add_argument("--model", help="a Llama-family directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model, state_dir_from_env())
     rows = []
     for dtype in args.dtype:
