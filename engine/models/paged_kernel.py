@@ -74,6 +74,7 @@ def _load() -> bool:
             "paged attention kernel unavailable (%s); attention falls back to the reference gather + SDPA",
             reason[0],
         )
+        log.debug("paged attention kernel build output:\n%s", exc)
         return False
     if not built:
         log.info("paged attention kernel built in %.1f s", time.perf_counter() - started)
