@@ -26,12 +26,16 @@ class PagedLlama:
         device: torch.device,
         dtype: torch.dtype,
         min_rows: int = 1,
+        row_multiple: int = 1,
     ) -> None:
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
+        # Dense layers run a multiple of this many rows: CPU 16-bit matrix products keep memory for every
+        # row count they meet, so rounding bounds the shapes a long-running server sees.
+        self.row_multiple = row_multiple
         self.rotary = Rotary(config, device, dtype)
         self.gather_buffers = GatherBuffers()
 
@@ -114,10 +118,14 @@ class PagedLlama:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.shape[0]
-        if rows >= self.min_rows or rows == 0:
+        target = max(self.min_rows, -(-rows // self.row_multiple) * self.row_multiple)
+        if rows == target or rows == 0:
             return F.linear(x, weight, bias)
-        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, self.min_rows - rows))
+        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, target - rows))
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+ROW_MULTIPLE_16BIT = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,4 +150,5 @@ def load_model(
     device = torch.device(device)
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
-    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows)
+    row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
+    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple)
