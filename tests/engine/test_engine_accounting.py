@@ -127,10 +127,13 @@ async def test_cancelled_consumer_aborts_and_slow_consumer_gets_merged_deltas(ti
         stream = engine.generate("slow", prompts[1], SamplingParams(temperature=0, max_tokens=64))
         first = await anext(stream)  # then the consumer reads nothing until the request has ended
         await wait_for(lambda: engine.stats().running == engine.stats().waiting == 0)
-        rest = await anext(stream)
-        assert not first.finished and rest.finished and rest.finish_reason == "length"
-        assert len(first.token_ids) + len(rest.token_ids) == rest.output_tokens == 64
-        assert len(rest.token_ids) == len(rest.token_times) > 1  # several steps' deltas merged into one
+        # the stats may show the end a moment before the engine thread delivers the last delta: read on
+        rest = [await anext(stream)]
+        while not rest[-1].finished:
+            rest.append(await anext(stream))
+        assert not first.finished and len(rest) <= 2 and rest[-1].finish_reason == "length"
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == rest[-1].output_tokens == 64
+        assert len(rest[0].token_ids) == len(rest[0].token_times) > 1  # several steps' deltas merged into one
         assert engine.stats().kv_blocks_free == total
         with pytest.raises(ValueError, match="no tokens"):
             await anext(engine.generate("empty", [], SamplingParams()))
