@@ -59,7 +59,7 @@ def _load() -> bool:
         _put_ninja_on_path()
         build_dir.mkdir(parents=True, exist_ok=True)
         if not built:
-            log.info("building the paged attention kernel into %s (once, under a minute)", build_dir)
+            log.info("building the paged attention kernel into %s (once, tens of seconds)", build_dir)
         cpp_extension.load(
             name=NAME,
             sources=[str(SOURCE)],

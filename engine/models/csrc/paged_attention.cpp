@@ -54,18 +54,14 @@ inline void store(float* dst, const Vec& v) { std::memcpy(dst, &v, sizeof(v)); }
 
 inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
 
-// Sum or maximum of a vector's lanes, halving it.
-template <typename Op>
-inline float reduce(Vec v, Op op) {
-  const Half half = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-  const Quarter quarter = op(__builtin_shufflevector(half, half, 0, 1, 2, 3),
-                             __builtin_shufflevector(half, half, 4, 5, 6, 7));
-  return op(op(quarter[0], quarter[1]), op(quarter[2], quarter[3]));
+// The sum of a vector's lanes, halving it.
+inline float horizontal_sum(Vec v) {
+  const Half half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Quarter quarter =
+      __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[1]) + (quarter[2] + quarter[3]);
 }
-
-constexpr auto kAdd = [](auto a, auto b) { return a + b; };
-constexpr auto kMax = [](auto a, auto b) { return a > b ? a : b; };
 
 // exp(x) for x <= 0 (-inf included): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial of
 // degree 6 (relative error below 1e-7), 2^n put into the exponent bits; 0 below -87.
@@ -84,8 +80,6 @@ inline Vec exp_nonpositive(Vec x) {
   const Vec power = std::bit_cast<Vec>((__builtin_convertvector(n, IntVec) + 127) << 23);
   return x < -87.0f ? Vec{} : p * power;
 }
-
-inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
@@ -111,20 +105,20 @@ template <int64_t kDim>
 inline float dot(const float* a, const float* b) {
   Vec sum = load(a) * load(b);
   for (int64_t c = kLanes; c < kDim; c += kLanes) sum += load(a + c) * load(b + c);
-  return reduce(sum, kAdd);
+  return horizontal_sum(sum);
 }
 
 // acc = acc * rescale + the sum over the tile's keys j of weights[j * stride] * values[j].
 template <int64_t kDim>
 inline void accumulate(float* acc, float rescale, const float* weights, int64_t stride, const float* const* values) {
-  constexpr int64_t kChunks = kDim / kLanes;
-  Vec part[kChunks];
-  for (int64_t c = 0; c < kChunks; ++c) part[c] = load(acc + c * kLanes) * rescale;
+  constexpr int64_t kVectors = kDim / kLanes;
+  Vec part[kVectors];
+  for (int64_t c = 0; c < kVectors; ++c) part[c] = load(acc + c * kLanes) * rescale;
   for (int64_t j = 0; j < kLanes; ++j) {
     const float weight = weights[j * stride];
-    for (int64_t c = 0; c < kChunks; ++c) part[c] += weight * load(values[j] + c * kLanes);
+    for (int64_t c = 0; c < kVectors; ++c) part[c] += weight * load(values[j] + c * kLanes);
   }
-  for (int64_t c = 0; c < kChunks; ++c) store(acc + c * kLanes, part[c]);
+  for (int64_t c = 0; c < kVectors; ++c) store(acc + c * kLanes, part[c]);
 }
 
 struct WorkItem {
@@ -242,18 +236,21 @@ void attend_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int64_t count = item.num_queries * group;
   const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
   const bool lanes = count >= kManyRows;
-  // queries, acc, max, sum, rescale, scores, then widened bf16 key or value rows and a zero row for padding
-  scratch.floats.assign(2 * padded * kDim + 3 * padded + kChunk * padded + (kLanes + 1) * kDim, 0.0f);
+  // zeroed: queries (padding rows included), acc, sum, a zero row for keys past the end; then max,
+  // rescale, scores and the widened bf16 rows of a tile, all written before they are read
+  const int64_t zeroed = 2 * padded * kDim + padded + kDim;
+  scratch.floats.resize(zeroed + 2 * padded + kChunk * padded + kLanes * kDim);
+  std::fill(scratch.floats.begin(), scratch.floats.begin() + zeroed, 0.0f);
   scratch.positions.assign(padded, std::numeric_limits<int32_t>::max());
   Rows rows{count, padded, scratch.floats.data()};
   rows.acc = rows.queries + padded * kDim;
-  rows.max = rows.acc + padded * kDim;
-  rows.sum = rows.max + padded;
-  rows.rescale = rows.sum + padded;
+  rows.sum = rows.acc + padded * kDim;
+  const float* zero_row = rows.sum + padded;
+  rows.max = rows.sum + padded + kDim;
+  rows.rescale = rows.max + padded;
   rows.scores = rows.rescale + padded;
   rows.positions = scratch.positions.data();
   float* widened = rows.scores + kChunk * padded;
-  const float* zero_row = widened + kLanes * kDim;
   std::fill(rows.max, rows.max + padded, kNegInf);
 
   const int32_t* seq = p.seqs + 3 * item.seq;
