@@ -6,6 +6,8 @@ The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 from __future__ import annotations
 
 import argparse
+import importlib
+from functools import partial
 
 from engine.config import DTYPES
 
@@ -13,55 +15,38 @@ from engine.config import DTYPES
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark and print its comparison table")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    engine = kinds.add_parser("engine", help="offline throughput: Weir's engine vs transformers batching")
-    add_engine_arguments(engine)
-    engine.set_defaults(func=_engine)
-    online = kinds.add_parser("serve", help="online load over HTTP: goodput, TTFT, TPOT at SLO")
-    add_serve_arguments(online)
-    online.set_defaults(func=_serve)
-    latency = kinds.add_parser(
-        "latency", help="TTFT by prompt length and TPOT by concurrent streams, side by side with peers"
+    benchmarks = (
+        ("engine", "offline throughput: Weir's engine vs transformers batching", add_engine_arguments),
+        ("serve", "online load over HTTP: goodput, TTFT, TPOT at SLO", add_serve_arguments),
+        (
+            "latency",
+            "TTFT by prompt length and TPOT by concurrent streams, side by side with peers",
+            add_latency_arguments,
+        ),
+        ("stops", "stop-string matching: time per token as the output grows", add_stops_arguments),
+        (
+            "soak",
+            "a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows",
+            add_soak_arguments,
+        ),
     )
-    add_latency_arguments(latency)
-    latency.set_defaults(func=_latency)
-    stops = kinds.add_parser("stops", help="stop-string matching: time per token as the output grows")
-    add_stops_arguments(stops)
-    stops.set_defaults(func=_stops)
-    soak = kinds.add_parser(
-        "soak", help="a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows"
-    )
-    add_soak_arguments(soak)
-    soak.set_defaults(func=_soak)
+    for name, help_text, add_arguments in benchmarks:
+        parser = kinds.add_parser(name, help=help_text)
+        add_arguments(parser)
+        parser.set_defaults(func=partial(_run, _MODULES[name]))
 
 
-def _engine(args: argparse.Namespace) -> int:
-    from bench import engine_throughput
-
-    return engine_throughput.main(args)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from bench import serve
-
-    return serve.main(args)
+_MODULES = {
+    "engine": "bench.engine_throughput",
+    "serve": "bench.serve",
+    "latency": "bench.latency_bench",
+    "stops": "bench.stop_matching",
+    "soak": "bench.soak",
+}
 
 
-def _latency(args: argparse.Namespace) -> int:
-    from bench import latency_bench
-
-    return latency_bench.main(args)
-
-
-def _stops(args: argparse.Namespace) -> int:
-    from bench import stop_matching
-
-    return stop_matching.main(args)
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from bench import soak
-
-    return soak.main(args)
+def _run(module: str, args: argparse.Namespace) -> int:
+    return importlib.import_module(module).main(args)
 
 
 def add_stops_arguments(parser: argparse.ArgumentParser) -> None:

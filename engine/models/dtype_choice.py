@@ -34,7 +34,8 @@ CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "f
 @dataclass(frozen=True)
 class DtypeChoice:
     """The chosen dtype, the fewest rows its dense layers should run (padding smaller batches), and the
-    measured step times in seconds per candidate (one per entry of ``ROWS``)."""
+    measured step times in seconds per candidate (one per entry of ``ROWS``; for a single named dtype, at
+    1 and ``PAD_ROWS`` tokens)."""
 
     dtype: torch.dtype
     min_rows: int
@@ -87,16 +88,19 @@ def _supported(name: str, device: torch.device) -> bool:
 def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ...] = ()) -> DtypeChoice:
     """Time each dtype of ``names`` (default: this device's candidates) and take the fastest; logs the
     figures. With one name, only whether to pad small batches is measured."""
+    candidates = names or CANDIDATES.get(device.type, ("float32",))
+    rows = ROWS if len(candidates) > 1 else (1, PAD_ROWS)  # one dtype: only the padding is in question
     seconds: dict[str, tuple[float, ...]] = {}
-    for name in names or CANDIDATES.get(device.type, ("float32",)):
+    for name in candidates:
         if _supported(name, device):
-            seconds[name] = tuple(_step_seconds(config, device, getattr(torch, name), r) for r in ROWS)
+            seconds[name] = tuple(_step_seconds(config, device, getattr(torch, name), r) for r in rows)
     best = min(seconds, key=lambda name: math.prod(seconds[name]))
     dtype = getattr(torch, best)
-    padded = _step_seconds(config, device, dtype, PAD_ROWS)
-    min_rows = PAD_ROWS if padded < seconds[best][0] else 1
+    padded = seconds[best][rows.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step
+    min_rows = PAD_ROWS if padded < seconds[best][rows.index(1)] else 1
     log.info(
-        "dtype (step of 1/16/256 tokens): %s; chose %s%s",
+        "dtype (step of %s tokens): %s; chose %s%s",
+        "/".join(map(str, rows)),
         ", ".join(f"{n} {'/'.join(f'{s * 1e3:.1f}' for s in t)} ms" for n, t in seconds.items()),
         best,
         f" (batches under {PAD_ROWS} rows padded: {padded * 1e3:.1f} ms a step)" if min_rows > 1 else "",
