@@ -1,10 +1,12 @@
 """The C++ paged attention kernel (``csrc/paged_attention.cpp``): attention that reads the KV blocks in place.
 
 The extension is compiled just in time by ``torch.utils.cpp_extension`` into
-``<state_dir>/kernels/<torch version>-<cpu>/`` the first time a CPU step asks for it (logged, tens of seconds)
-and loaded from there afterwards. It is built for this CPU's instruction set, so the directory is keyed by
-the CPU's feature flags. When it cannot be built or loaded (no compiler, a failed compile), one warning is
-logged and :func:`kernel_available` is False: attention then takes the reference gather + SDPA path.
+``$WEIR_KERNEL_DIR/<torch version>-<cpu>/`` (default ``<state_dir>/kernels``) the first time a CPU step asks
+for it (logged, tens of seconds) and loaded from there afterwards; processes with different state directories
+can share one build through ``WEIR_KERNEL_DIR``. It is built for this CPU's instruction set, so the
+directory is keyed by the CPU's feature flags. When it cannot be built or loaded (no compiler, a failed
+compile), one warning is logged and :func:`kernel_available` is False: attention then takes the reference
+gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -47,9 +49,14 @@ def kernel_available() -> bool:
         return _load()
 
 
+def kernel_dir() -> Path:
+    """Where built kernels are kept: ``$WEIR_KERNEL_DIR``, else ``<state_dir>/kernels``."""
+    return Path(os.environ.get("WEIR_KERNEL_DIR") or state_dir_from_env() / "kernels")
+
+
 @functools.cache
 def _load() -> bool:
-    build_dir = state_dir_from_env() / "kernels" / _build_tag()
+    build_dir = kernel_dir() / _build_tag()
     library = build_dir / f"{NAME}.so"
     built = library.exists() and library.stat().st_mtime >= SOURCE.stat().st_mtime
     started = time.perf_counter()

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
+from engine.models.paged_kernel import kernel_dir
 from tenants.admin import create_key, create_tenant
 from tenants.db import create_engine
 from tenants.models import shed_events, usage_events
@@ -158,6 +159,7 @@ def serving(model_dir: Path, database_url: str, state_dir: Path, *options: str) 
         "DATABASE_URL": database_url,
         "WEIR_ADMIN_TOKEN": admin_token,
         "WEIR_STATE_DIR": str(state_dir),
+        "WEIR_KERNEL_DIR": str(kernel_dir().resolve()),  # one kernel build for every test server
     }
     log_path = state_dir / "server.log"
     command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--port", str(port)]
