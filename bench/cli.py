@@ -1,4 +1,4 @@
-"""`weir bench engine|serve|latency|stops|soak`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|latency|stops|soak|fairness|overload`: benchmarks that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -29,6 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows",
             add_soak_arguments,
         ),
+        (
+            "fairness",
+            "fair share by cost: fcfs and fair policies side by side on four multi-tenant workloads",
+            add_fairness_arguments,
+        ),
     )
     for name, help_text, add_arguments in benchmarks:
         parser = kinds.add_parser(name, help=help_text)
@@ -42,6 +47,7 @@ _MODULES = {
     "latency": "bench.latency_bench",
     "stops": "bench.stop_matching",
     "soak": "bench.soak",
+    "fairness": "bench.fairness",
 }
 
 
@@ -242,3 +248,17 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="auto", help="the server's weight and KV dtype (default auto)"
     )
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+
+
+def add_fairness_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="15-second runs instead of 60-second ones")
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the engine's dtype (default auto)")
+    parser.add_argument(
+        "--seconds", type=float, metavar="S", help="length of each run (default 60, or 15 with --quick)"
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="end each run after N engine steps if it has not ended before"
+    )
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
