@@ -34,6 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "fair share by cost: fcfs and fair policies side by side on four multi-tenant workloads",
             add_fairness_arguments,
         ),
+        (
+            "overload",
+            "fair shedding over HTTP: fcfs and fair servers at 1x-3x capacity and with a noisy tenant",
+            add_overload_arguments,
+        ),
     )
     for name, help_text, add_arguments in benchmarks:
         parser = kinds.add_parser(name, help=help_text)
@@ -48,6 +53,7 @@ _MODULES = {
     "stops": "bench.stop_matching",
     "soak": "bench.soak",
     "fairness": "bench.fairness",
+    "overload": "bench.overload",
 }
 
 
@@ -251,14 +257,37 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_fairness_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="15-second runs instead of 60-second ones")
+    parser.add_argument("--quick", action="store_true", help="runs of 40 engine steps instead of 160")
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
     parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the engine's dtype (default auto)")
     parser.add_argument(
-        "--seconds", type=float, metavar="S", help="length of each run (default 60, or 15 with --quick)"
+        "--steps", type=int, metavar="N", help="engine steps per run (default 160, or 40 with --quick)"
     )
     parser.add_argument(
-        "--steps", type=int, metavar="N", help="end each run after N engine steps if it has not ended before"
+        "--seconds", type=float, metavar="S", help="end each run after S seconds if its steps are not done"
     )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
+
+
+def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="15-second loads instead of 40-second ones")
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    parser.add_argument(
+        "--base-url",
+        action="append",
+        default=[],
+        metavar="POLICY=URL",
+        help="a running server of that policy (fair or fcfs; repeatable) instead of servers started here",
+    )
+    parser.add_argument("--keys", metavar="FILE", help="three API keys of --base-url, one per line")
+    parser.add_argument("--model", metavar="PATH", help="model directory to serve (default: SmolLM2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the servers' dtype (default auto)")
+    parser.add_argument("--ttft-target-ms", type=float, default=2000, help="the tenants' TTFT target")
+    parser.add_argument("--tpot-target-ms", type=float, default=500, help="the tenants' TPOT target")
+    parser.add_argument(
+        "--seconds", type=float, metavar="S", help="length of each load (default 40, or 15 with --quick)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
+    )

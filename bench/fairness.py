@@ -1,9 +1,9 @@
 """Fair share by cost: FCFS and weighted fair share side by side on the VTC paper's workloads.
 
-    weir bench fairness [--quick] [--out FILE.json] [--model PATH] [--dtype D] [--seconds S] [--steps N]
+    weir bench fairness [--quick] [--out FILE.json] [--model PATH] [--dtype D] [--steps N] [--seconds S]
 
 Each workload of ``bench.fairness_workloads`` (rate, shapes, weights, onoff) runs through Weir's engine in
-this process for ``--seconds`` (15 with ``--quick``, else 60) or ``--steps`` engine steps, whichever ends
+this process for ``--steps`` engine steps (40 with ``--quick``, else 160), or ``--seconds`` if that ends it
 first, once with each policy, on one loaded model; each run has an engine of its own (fresh KV pool and
 prefix cache). The engine runs at most ``MAX_NUM_SEQS`` sequences, so backlogged tenants' requests wait and
 the policy chooses. Service is measured as the engine charges it (``bench.service_meter``): cost units of
@@ -31,19 +31,19 @@ from engine.types import SamplingParams
 POLICIES = ("fcfs", "fair")
 MAX_NUM_SEQS = 8  # running sequences: fewer than the tenants keep in the engine, so requests queue
 BLOCK_SIZE = 16
-QUICK_SECONDS, FULL_SECONDS = 15.0, 60.0
+QUICK_STEPS, FULL_STEPS = 40, 160
 
 
 @dataclass(frozen=True)
 class RunLength:
-    """A run ends after ``seconds`` or after ``steps`` engine steps (when set), whichever comes first."""
+    """A run ends after ``steps`` engine steps, or after ``seconds`` (when set) if that comes first."""
 
-    seconds: float
-    steps: int | None = None
+    steps: int
+    seconds: float | None = None
 
     def progress(self, elapsed: float, steps: int) -> float:
         """How far through the run (1 or more: it is over)."""
-        return max(elapsed / self.seconds, steps / self.steps if self.steps else 0.0)
+        return max(steps / self.steps, elapsed / self.seconds if self.seconds else 0.0)
 
 
 def kv_pool_blocks() -> int:
@@ -70,8 +70,10 @@ def run_workload(core, workload: Workload, token_ids: Sequence[int], seed: int, 
     output_tokens = steps = 0
     start = time.perf_counter()
     while (done := length.progress(time.perf_counter() - start, steps)) < 1:
-        for tenant in workload.tenants:
-            for _ in range(tenant.wants(in_engine[tenant.name], sent[tenant.name], done)):
+        while sending := [
+            t for t in workload.tenants if t.wants(in_engine[t.name], sent[t.name], done)
+        ]:  # one request per tenant in turn, so arrivals interleave
+            for tenant in sending:
                 request = sources[tenant.name].next()
                 request_id = f"{tenant.name}-{sent[tenant.name]}"
                 params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
@@ -119,7 +121,7 @@ def run_workload(core, workload: Workload, token_ids: Sequence[int], seed: int, 
 def run(args: argparse.Namespace) -> dict:
     from bench.model import bench_device, bench_model_dir, load_tokenizer
     from bench.workload import ordinary_token_ids
-    from engine.core import EngineCore, generate_offline
+    from engine.core import EngineCore
     from engine.models import load_model
     from engine.tokenizer import Tokenizer
 
@@ -129,10 +131,10 @@ def run(args: argparse.Namespace) -> dict:
     model = load_model(model_dir, device, args.dtype)
     tokenizer = Tokenizer(model_dir)
     token_ids = ordinary_token_ids(load_tokenizer(model_dir))
-    length = RunLength(args.seconds or (QUICK_SECONDS if args.quick else FULL_SECONDS), args.steps)
+    length = RunLength(args.steps or (QUICK_STEPS if args.quick else FULL_STEPS), args.seconds)
     num_blocks = kv_pool_blocks()
 
-    def new_core(policy: str) -> EngineCore:
+    def new_core(policy: str, calibrate: bool = False) -> EngineCore:
         core = EngineCore(
             model,
             tokenizer,
@@ -141,13 +143,13 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=MAX_NUM_SEQS,
             policy=policy,
             device=device,
-            calibrate_steps=False,
+            calibrate_steps=calibrate,
         )
         core.scheduler.policy = MeteredPolicy(core.scheduler.policy)
         return core
 
-    warm_up = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    generate_offline(new_core("fcfs"), [(token_ids[:64], warm_up)] * 2)
+    progress("warming up: the engine's step calibration, once")
+    new_core("fcfs", calibrate=True)  # runs the model at the usual step shapes
     workloads = {}
     for workload in WORKLOADS:
         workloads[workload.name] = {}
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
             "cached": DEFAULT_WEIGHTS.cached,
             "decode": DEFAULT_WEIGHTS.decode,
         },
-        "run": {"seconds": length.seconds, "steps": length.steps, "seed": args.seed},
+        "run": {"steps": length.steps, "seconds": length.seconds, "seed": args.seed},
         "descriptions": {w.name: w.description for w in WORKLOADS},
         "workloads": workloads,
     }

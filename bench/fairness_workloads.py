@@ -21,8 +21,8 @@ class TenantLoad:
     name: str
     weight: float = 1.0
     depth: int = 8  # requests kept in the engine (topped up as they end)
-    prompt_len: tuple[int, int] = (32, 96)  # inclusive uniform ranges
-    output_len: tuple[int, int] = (16, 48)
+    prompt_len: tuple[int, int] = (16, 48)  # inclusive uniform ranges
+    output_len: tuple[int, int] = (8, 24)
     start: float = 0.0  # fraction of the run before which the tenant sends nothing
     burst: int | None = None  # sends this many requests at ``start`` and no more (an on/off tenant)
 
@@ -57,8 +57,8 @@ WORKLOADS = (
         "shapes",
         "a: long prompts, short outputs; b: short prompts, long outputs; both backlogged",
         (
-            TenantLoad("a", prompt_len=(192, 320), output_len=(4, 8)),
-            TenantLoad("b", prompt_len=(8, 24), output_len=(48, 96)),
+            TenantLoad("a", prompt_len=(128, 256), output_len=(2, 4)),
+            TenantLoad("b", prompt_len=(8, 16), output_len=(24, 48)),
         ),
     ),
     Workload(

@@ -81,6 +81,8 @@ async def stream_completion(
             record.status = response.status_code
             if response.status_code != 200:
                 await response.aread()
+                record.done = time.perf_counter()
+                record.refusal = _error_code(response)
                 return record
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -100,6 +102,15 @@ async def stream_completion(
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return record
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``error.code`` of an OpenAI error envelope, if the body is one."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _read_event(record: RequestRecord, event: dict) -> None:

@@ -18,13 +18,14 @@ class RequestRecord:
     status: int | None = None  # HTTP status; None when the connection failed
     error: str | None = None  # transport error or an error event inside the stream
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
-    done: float | None = None
+    done: float | None = None  # the end of the stream, or when a refusal was answered
     text: str = ""  # the answer's text, as streamed
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens the server says it took from its cache
     finish_reason: str | None = None
     skipped: bool = False  # never sent: an earlier turn of its conversation failed
+    refusal: str | None = None  # a refused request's error code (the body's ``error.code``), if it gave one
 
     @property
     def ok(self) -> bool:
@@ -40,6 +41,11 @@ class RequestRecord:
         if not self.ok or not self.chunk_times or self.output_tokens < 2:
             return None
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def refused(self) -> bool:
+        """Answered with an HTTP status other than 200."""
+        return self.status is not None and self.status != 200
 
     @property
     def e2e(self) -> float | None:

@@ -47,8 +47,8 @@ def test_on_off_tenant_sends_its_burst_once_and_a_backlogged_one_tops_up():
 @pytest.fixture(scope="module")
 def fairness_run(tiny_model_dir, tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("fairness") / "fairness.json"
-    # a fixed number of steps (and no deadline that could end a run first): the run is deterministic
-    options = ["--model", str(tiny_model_dir), "--dtype", "float32", "--seconds", "3600", "--steps", "200"]
+    # a fixed number of steps (and no time limit that could end a run first): the run is deterministic
+    options = ["--model", str(tiny_model_dir), "--dtype", "float32", "--steps", "200"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         status = main(["bench", "fairness", *options, "--out", str(out)])

@@ -1,0 +1,117 @@
+"""The overload benchmark's traffic: three tenants' Poisson streams at multiples of their share of the
+capacity, what each tenant got from them, and the capacity search.
+
+A tenant's share of the capacity is a third of it. The loads: each tenant at 1x, 2x and 3x its share, and
+``noisy``, one tenant at 5x its share while the two others send half of theirs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from bench.http_load import LoadRequest, run_load
+from bench.latency import RequestRecord, ms, percentile, summarize
+from bench.serve import build_load
+from bench.workload import WorkloadSpec, derived_seed
+
+TENANTS = ("a", "b", "c")
+LOADS: dict[str, tuple[float, float, float]] = {  # each tenant's rate as a multiple of its share
+    "1x": (1.0, 1.0, 1.0),
+    "2x": (2.0, 2.0, 2.0),
+    "3x": (3.0, 3.0, 3.0),
+    "noisy": (5.0, 0.5, 0.5),
+}
+SHAPE = WorkloadSpec(prompt_len=(32, 128), output_len=(16, 32))
+BURST = 4  # requests per tenant sent at once to gauge the throughput
+CAPACITY_TRIALS = (0.8, 0.6, 0.45, 0.3, 0.2)  # of the burst throughput, tried in turn
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+
+def tenant_load(
+    tokenizer, keys: Sequence[str | None], rates: Sequence[float], seconds: float, seed: int, index: int
+) -> list[LoadRequest]:
+    """Each tenant's Poisson stream at its rate (req/s) for about ``seconds``, merged in time order; load
+    number ``index`` draws prompts of its own, and every tenant has its own arrival pattern."""
+    load: list[LoadRequest] = []
+    for tenant, (key, rate) in enumerate(zip(keys, rates, strict=True)):
+        spec = replace(SHAPE, num_requests=max(1, round(rate * seconds)), seed=derived_seed(seed, tenant))
+        load += build_load(tokenizer, spec, rate, [key], index)
+    return sorted(load, key=lambda request: request.at)
+
+
+def tenant_figures(
+    records: Sequence[RequestRecord], slo: Slo, seconds: float, light: bool
+) -> dict[str, object]:
+    """What one tenant got: goodput over ``seconds``, SLO attainment of its admitted requests, the share
+    refused, TTFT/TPOT percentiles (ms) of the admitted ones, refusals by status and error code."""
+    admitted = [r for r in records if not r.refused]
+    good = sum(r.meets(slo.ttft_s, slo.tpot_s) for r in admitted if r.ok)
+    latency = summarize(admitted, slo.ttft_s, slo.tpot_s) if admitted else None
+    refusals = Counter(f"{r.status} {r.refusal or '-'}" for r in records if r.refused)
+    return {
+        "light": light,
+        "slo_attainment": round(good / len(admitted), 4) if admitted else None,
+        "refused_share": round((len(records) - len(admitted)) / len(records), 4) if records else 0.0,
+        "ttft_p99_ms": latency["ttft_ms"]["p99"] if latency else None,
+        "goodput_rps": round(good / seconds, 4),
+        "ttft_p50_ms": latency["ttft_ms"]["p50"] if latency else None,
+        "tpot_p50_ms": latency["tpot_ms"]["p50"] if latency else None,
+        "tpot_p99_ms": latency["tpot_ms"]["p99"] if latency else None,
+        "requests": len(records),
+        "admitted": len(admitted),
+        "failed": sum(1 for r in admitted if not r.ok),
+        "refusals": dict(sorted(refusals.items())),
+    }
+
+
+def refusal_latency_p99_ms(records: Sequence[RequestRecord]) -> float | None:
+    """The 99th percentile of how long refused requests waited for their answer."""
+    return ms(percentile([r.done - r.sent for r in records if r.refused and r.done is not None], 99))
+
+
+async def measure_capacity(
+    base_url: str,
+    model: str,
+    keys: Sequence[str | None],
+    tokenizer,
+    slo: Slo,
+    seconds: float,
+    seed: int,
+    report: Callable[[str], None],
+) -> dict:
+    """The total request rate the server carries with TTFT p99 within the target and nothing refused.
+
+    First a burst of ``BURST`` requests per tenant, sent at once, gives the throughput at a full batch; then
+    Poisson loads of ``seconds`` at falling fractions of it (``CAPACITY_TRIALS``), the three tenants
+    sharing each rate evenly, until one meets the target. The lowest fraction is taken when none does.
+    """
+    burst = [
+        replace(r, at=0.0) for r in tenant_load(tokenizer, keys, [BURST / seconds] * 3, seconds, seed, 0)
+    ]
+    records = await run_load(base_url, model, burst)
+    ended = [r.done for r in records if r.ok]
+    if not ended:
+        raise RuntimeError("no request of the capacity burst completed")
+    throughput = len(ended) / (max(ended) - min(r.sent for r in records))
+    report(f"capacity: a burst of {len(burst)} requests ran at {throughput:.3f} req/s")
+    trials = []
+    for index, fraction in enumerate(CAPACITY_TRIALS, start=1):
+        rate = throughput * fraction
+        load = tenant_load(tokenizer, keys, [rate / 3] * 3, seconds, seed, index)
+        records = await run_load(base_url, model, load)
+        admitted = [r for r in records if r.ok]
+        p99 = percentile([r.ttft for r in admitted if r.ttft is not None], 99)
+        refused = sum(r.refused for r in records)
+        met = refused == 0 and len(admitted) == len(records) and p99 is not None and p99 <= slo.ttft_s
+        trials.append({"rate_rps": round(rate, 4), "ttft_p99_ms": ms(p99), "refused": refused, "met": met})
+        report(f"capacity: {rate:.3f} req/s: TTFT p99 {ms(p99)} ms, {refused} refused")
+        if met:
+            break
+    return {"capacity_rps": trials[-1]["rate_rps"], "burst_rps": round(throughput, 4), "trials": trials}
