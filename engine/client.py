@@ -128,9 +128,10 @@ class AsyncEngine:
         priority: int = 0,
         tpot_target_s: float | None = None,
         weight: float = 1.0,
+        start_within_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; the last one has ``finished`` set. Bad input raises ValueError.
-        ``tpot_target_s`` bounds the prefill that shares its decode steps (see ``EngineCore.add_request``)."""
+        ``tpot_target_s``, ``weight`` and ``start_within_s`` are as in ``EngineCore.add_request``."""
         core = self.core
         if self._thread is None:
             raise RuntimeError("the engine is stopped")
@@ -147,7 +148,15 @@ class AsyncEngine:
             self._submitted_prompt_tokens.pop(request_id, None)
             try:
                 core.add_request(
-                    request_id, prompt, params, tenant_id, priority, arrival, tpot_target_s, weight
+                    request_id,
+                    prompt,
+                    params,
+                    tenant_id,
+                    priority,
+                    arrival,
+                    tpot_target_s,
+                    weight,
+                    start_within_s,
                 )
             except ValueError as exc:
                 refused = RequestOutput(request_id, finished=True, finish_reason="error", error=str(exc))

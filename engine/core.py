@@ -151,12 +151,17 @@ class EngineCore:
         arrival_time: float | None = None,
         tpot_target_s: float | None = None,
         weight: float = 1.0,
+        start_within_s: float | None = None,
     ) -> None:
         """Queue a request; its outputs come from the following ``step()`` calls. With a ``tpot_target_s``,
         steps that decode it carry no more prefill than the step-time model says fits in that time.
-        ``weight`` is the tenant's share under the fair policy (its latest request's weight counts)."""
+        ``weight`` is the tenant's share under the fair policy (its latest request's weight counts). A
+        request still waiting ``start_within_s`` after its arrival, never started, ends unstarted with
+        finish reason ``deadline`` instead of being served late."""
         if not weight > 0:
             raise ValueError(f"weight must be positive, got {weight}")
+        if start_within_s is not None and not start_within_s >= 0:
+            raise ValueError(f"start_within_s must be non-negative, got {start_within_s}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(prompt_token_ids, params)
@@ -172,6 +177,8 @@ class EngineCore:
             tpot_target_s=tpot_target_s,
             weight=weight,
         )
+        if start_within_s is not None:
+            seq.start_deadline = seq.arrival_time + start_within_s
         seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id).seconds
         self._requests[request_id] = _Request(
             seq,

@@ -106,6 +106,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """Plan the next step and advance the planned sequences' computed-token counts."""
+        expired = self._refuse_expired(time.monotonic())
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[Sequence] = []
         limit = budget = self.max_batched_tokens
@@ -127,8 +128,20 @@ class Scheduler:
         for seq in preempted:
             self.waiting.append(seq)
         step = self._build(list(planned.values()))
-        step.preempted, step.rejected = preempted, rejected
+        step.preempted, step.rejected = preempted, expired + rejected
         return step
+
+    def _refuse_expired(self, now: float) -> list[Sequence]:
+        """End the waiting requests that were never started and whose start deadline has passed."""
+        expired = [
+            seq
+            for seq in self.waiting
+            if seq.first_scheduled_time is None and now > (seq.start_deadline or float("inf"))
+        ]
+        for seq in expired:
+            waited = now - seq.arrival_time
+            self.finish(seq, "deadline", f"not started within its deadline (waited {waited:.2f} s)")
+        return expired
 
     def _stall_free_limit(self, decodes: dict[str, tuple[Sequence, int]]) -> int:
         """The step's token limit once its decodes are planned: the prefill that fits within the tightest

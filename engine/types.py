@@ -50,7 +50,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each new token
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "deadline"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_tokens: int = 0
