@@ -117,6 +117,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
     async def generate(
         self,
         request_id: str,

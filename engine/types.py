@@ -69,6 +69,7 @@ class RequestOutput:
         self.prompt_tokens = later.prompt_tokens
         self.cached_tokens = later.cached_tokens
         self.output_tokens = later.output_tokens
+        self.arrival_time = later.arrival_time
         self.queue_time = later.queue_time
         self.first_token_time = later.first_token_time
         self.error = later.error
