@@ -17,7 +17,7 @@ _SHED_WHY = {
     "queue": "too many requests are waiting",
     "kv": "the KV cache is full and requests wait for memory",
     "slo": "the predicted time to first token exceeds the tenant's target",
-    "deadline": "it waited past the tenant's time-to-first-token target without starting",
+    "deadline": "it could not start within the tenant's time to first token target",
 }
 
 

@@ -140,7 +140,7 @@ async def test_a_request_that_cannot_start_by_its_deadline_is_refused_before_any
         await late.completions.create(model=model, prompt=_prompt(7101, 8), max_tokens=4)
     for refused in (streamed.value, whole.value):
         assert refused.status_code == 503
-        assert refused.body["code"] == "server_overloaded" and "time-to-first-token" in refused.message
+        assert refused.body["code"] == "server_overloaded" and "time to first token" in refused.message
         assert int(refused.response.headers["retry-after"]) >= 1
     for stream in streams:
         await stream.close()
