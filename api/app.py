@@ -11,22 +11,22 @@ from api.admin_api import ADMIN_ROUTES
 from api.errors import EXCEPTION_HANDLERS
 from api.openapi import openapi_json
 from api.routes import ROUTES
-from api.runtime import Runtime
+from api.services import Services
 from api.settings import Settings
 
 
 def create_app(settings: Settings) -> Litestar:
     """The API over one engine and the tenant store; both start in the app's lifespan."""
-    runtime = Runtime(settings)
+    services = Services(settings)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.runtime = runtime
-        await runtime.start()
+        app.state.services = services
+        await services.start()
         try:
             yield
         finally:
-            await runtime.stop()
+            await services.stop()
 
     return Litestar(
         route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json],
