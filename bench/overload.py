@@ -71,11 +71,21 @@ async def server_refusals(server: Server, names: dict[str, str]) -> dict[str, Co
     return {names[t["name"]]: Counter(t["refused"]) for t in response.json()["tenants"] if t["name"] in names}
 
 
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.ttft_target_ms / 1000, args.tpot_target_ms / 1000)
+
+
 async def run_loads(
-    server: Server, model: str, keys: list[str | None], tokenizer, capacity: float, args, names
-):
+    server: Server,
+    model: str,
+    keys: list[str | None],
+    tokenizer,
+    capacity: float,
+    args: argparse.Namespace,
+    names: dict[str, str],
+) -> dict[str, dict]:
     """Every load of ``LOADS`` against the server, one after the other; each load's figures."""
-    slo = Slo(args.ttft_target_ms / 1000, args.tpot_target_ms / 1000)
+    slo = slo_of(args)
     results = {}
     for index, (name, multiples) in enumerate(LOADS.items(), start=1):
         rates = [capacity / len(TENANTS) * m for m in multiples]
@@ -99,14 +109,18 @@ async def run_loads(
 
 
 async def run_policy(
-    server: Server, keys: list[str | None], tokenizer, args, names: dict[str, str], capacity: dict | None
+    server: Server,
+    keys: list[str | None],
+    tokenizer,
+    args: argparse.Namespace,
+    names: dict[str, str],
+    capacity: dict | None,
 ) -> tuple[dict, dict]:
     """The capacity (measured on this server unless given) and the loads' figures on it."""
     model = await Target(server.policy, server.base_url, tuple(keys)).ready_model("overload")
     if capacity is None:
-        slo = Slo(args.ttft_target_ms / 1000, args.tpot_target_ms / 1000)
         capacity = await measure_capacity(
-            server.base_url, model, keys, tokenizer, slo, args.seconds, args.seed, progress
+            server.base_url, model, keys, tokenizer, slo_of(args), args.seconds, args.seed, progress
         )
         progress(f"capacity {capacity['capacity_rps']} req/s")
     return capacity, await run_loads(server, model, keys, tokenizer, capacity["capacity_rps"], args, names)
@@ -137,10 +151,9 @@ def with_own_servers(args: argparse.Namespace, tokenizer, model_dir: Path) -> tu
     from bench.peer_server import free_port
     from bench.soak import soak_database
 
-    slo = Slo(args.ttft_target_ms / 1000, args.tpot_target_ms / 1000)
     capacity, loads = None, {}
     with tempfile.TemporaryDirectory(prefix="weir-overload-") as tmp, soak_database(Path(tmp)) as url:
-        keys_by_name = asyncio.run(create_tenants(url, slo))
+        keys_by_name = asyncio.run(create_tenants(url, slo_of(args)))
         names = dict(zip(keys_by_name, TENANTS, strict=True))
         keys = list(keys_by_name.values())
         for policy in POLICIES:

@@ -23,7 +23,7 @@ LOADS: dict[str, tuple[float, float, float]] = {  # each tenant's rate as a mult
     "3x": (3.0, 3.0, 3.0),
     "noisy": (5.0, 0.5, 0.5),
 }
-SHAPE = WorkloadSpec(prompt_len=(32, 128), output_len=(16, 32))
+SHAPE = WorkloadSpec(prompt_len=(16, 64), output_len=(8, 16))
 BURST = 4  # requests per tenant sent at once to gauge the throughput
 CAPACITY_TRIALS = (0.8, 0.6, 0.45, 0.3, 0.2)  # of the burst throughput, tried in turn
 

@@ -18,26 +18,17 @@ from engine.policies import Policy
 from engine.sequence import Sequence
 
 
-class MeteredPolicy(Policy):
-    """``inner``'s decisions unchanged; ``served`` holds each tenant's cost units served so far."""
+class MeteredPolicy:
+    """``inner`` with every decision and hook unchanged (attributes are looked up on it); ``served`` holds
+    each tenant's cost units served so far."""
 
     def __init__(self, inner: Policy, weights: CostWeights = DEFAULT_WEIGHTS) -> None:
         self.inner = inner
-        self.name = inner.name
         self.cost_weights = weights
         self.served: defaultdict[str, float] = defaultdict(float)
 
-    def pick_next(self, waiting: Seq[Sequence]) -> Sequence:
-        return self.inner.pick_next(waiting)
-
-    def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
-        return self.inner.pick_victim(candidates)
-
-    def tokens_ahead(self, queued_by_tenant: Mapping[str, int], tenant_id: str) -> int:
-        return self.inner.tokens_ahead(queued_by_tenant, tenant_id)
-
-    def on_arrival(self, seq: Sequence) -> None:
-        self.inner.on_arrival(seq)
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
     def on_tokens(
         self, seq: Sequence, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
@@ -45,9 +36,6 @@ class MeteredPolicy(Policy):
         cost = request_cost(prompt_tokens, cached_tokens, output_tokens, self.cost_weights)
         self.served[seq.tenant_id] += cost
         self.inner.on_tokens(seq, prompt_tokens, output_tokens, cached_tokens)
-
-    def on_finish(self, seq: Sequence) -> None:
-        self.inner.on_finish(seq)
 
 
 @dataclass(frozen=True)
