@@ -286,7 +286,10 @@ def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=2000, help="the tenants' TTFT target")
     parser.add_argument("--tpot-target-ms", type=float, default=500, help="the tenants' TPOT target")
     parser.add_argument(
-        "--seconds", type=float, metavar="S", help="length of each load (default 40, or 15 with --quick)"
+        "--seconds",
+        type=float,
+        metavar="S",
+        help="length of each load and capacity trial (default 40, or 15 with --quick)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"

@@ -12,10 +12,10 @@ it uses running servers instead (one per policy, labelled ``POLICY=URL``), with 
 On the first server it measures the capacity (``bench.overload_load.measure_capacity``: the request rate at
 which TTFT p99 stays within the target with nothing refused); then on every server, in the same run, the
 loads of ``bench.overload_load.LOADS``: Poisson streams at 1x, 2x and 3x each tenant's share of that
-capacity, and ``noisy`` (one tenant at 5x its share, two light ones at half of theirs), each for
-``--seconds``. Per tenant and load: goodput, SLO attainment of admitted requests, share refused, TTFT and
-TPOT percentiles, refusals by status and error code (and by the server's reason when the benchmark runs
-the server), and the p99 latency of refusals.
+capacity, and ``noisy`` (one tenant at 5x its share, two light ones at 0.8 of theirs), each for
+``--seconds`` (``noisy`` twice as long). Per tenant and load: goodput, SLO attainment of admitted requests,
+share refused, TTFT and TPOT percentiles, refusals by status and error code (and by the server's reason
+when the benchmark runs the server), and the p99 latency of refusals.
 """
 
 from __future__ import annotations
@@ -87,22 +87,24 @@ async def run_loads(
     """Every load of ``LOADS`` against the server, one after the other; each load's figures."""
     slo = slo_of(args)
     results = {}
-    for index, (name, multiples) in enumerate(LOADS.items(), start=1):
-        rates = [capacity / len(TENANTS) * m for m in multiples]
-        load = tenant_load(tokenizer, keys, rates, args.seconds, args.seed, 100 + index)
+    for index, (name, shape) in enumerate(LOADS.items(), start=1):
+        rates = [capacity / len(TENANTS) * m for m in shape.multiples]
+        seconds = args.seconds * shape.length
+        load = tenant_load(tokenizer, keys, rates, seconds, args.seed, 100 + index)
         progress(f"{server.policy} {name}: {len(load)} requests at {sum(rates):.3f} req/s")
         before = await server_refusals(server, names)
         records = await run_load(server.base_url, model, load)
         after = await server_refusals(server, names)
         tenants = {}
-        for label, key, multiple in zip(TENANTS, keys, multiples, strict=True):
+        for label, key, multiple in zip(TENANTS, keys, shape.multiples, strict=True):
             mine = [r for r, request in zip(records, load, strict=True) if request.api_key == key]
-            tenants[label] = tenant_figures(mine, slo, args.seconds, light=name == "noisy" and multiple < 1)
+            tenants[label] = tenant_figures(mine, slo, seconds, light=multiple < 1)
             if after:
                 tenants[label]["refusal_reasons"] = dict(sorted((after[label] - before[label]).items()))
         results[name] = {
             "refusal_latency_p99_ms": refusal_latency_p99_ms(records),
             "rate_rps": round(sum(rates), 4),
+            "seconds": seconds,
             "tenants": tenants,
         }
     return results
@@ -250,7 +252,8 @@ def render(result: dict) -> str:
         [
             f"capacity {result['capacity_rps']} req/s (TTFT p99 within {result['ttft_target_ms']:g} ms, "
             f"nothing refused); SLO: TTFT <= {result['ttft_target_ms']:g} ms, TPOT <= "
-            f"{result['tpot_target_ms']:g} ms; {result['seconds_per_load']:g} s per load; latencies in ms",
+            f"{result['tpot_target_ms']:g} ms; {result['seconds_per_load']:g} s per load "
+            "(noisy: twice that); latencies in ms",
             format_table(headers, rows),
             format_table(["load", "policy", "rate r/s", "refusal latency p99 ms"], refusals),
         ]
@@ -278,8 +281,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(
             "weir bench overload: error: --base-url needs --keys FILE (three keys, one per tenant)"
         )
-    if min(args.ttft_target_ms, args.tpot_target_ms) <= 0:
-        raise SystemExit("weir bench overload: error: the targets must be positive")
+    if min(args.ttft_target_ms, args.tpot_target_ms, args.seconds or 1) <= 0:
+        raise SystemExit("weir bench overload: error: the targets and --seconds must be positive")
 
 
 def main(args: argparse.Namespace) -> int:
