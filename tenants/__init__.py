@@ -41,7 +41,7 @@ Public API (stable; import from the submodules):
     finish_reason, queue_s, ttft_s, tpot_s, e2e_s, started_at, finished_at), ``ShedEvent``;
     ``UsageWriter(engine, spill_dir=None)`` (default ``<WEIR_STATE_DIR>/spill``; use it from one event
     loop): ``submit(event)`` (never blocks or raises on an outage; ``ValueError`` for a malformed event),
-    ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv), ``start()``,
+    ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv, deadline), ``start()``,
     ``await flush()``, ``await close()``, ``await replay_spill()``.
 ``tenants.queries``
     ``usage_by_day``, ``latency_percentiles``, ``shed_counts`` (engine, since, until=None, tenant_id=None).

@@ -11,7 +11,8 @@ import sqlalchemy as sa
 metadata = sa.MetaData()
 
 TENANT_STATUSES = ("active", "suspended")
-SHED_REASONS = ("rate", "concurrency", "budget", "queue", "slo", "kv")
+# "deadline": a queued request whose TTFT target passed before it started (not recorded by the API yet)
+SHED_REASONS = ("rate", "concurrency", "budget", "queue", "slo", "kv", "deadline")
 
 tenants = sa.Table(
     "tenants",
@@ -91,7 +92,7 @@ usage_events = sa.Table(
     sa.Column("prompt_tokens", sa.Integer, nullable=False),
     sa.Column("cached_tokens", sa.Integer, nullable=False),
     sa.Column("output_tokens", sa.Integer, nullable=False),
-    sa.Column("cost", sa.Float, nullable=False),
+    sa.Column("cost", sa.Numeric(24, 6), nullable=False),  # exact: micro cost units
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("finish_reason", sa.Text),
     sa.Column("queue_s", sa.Float),
