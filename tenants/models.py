@@ -7,6 +7,7 @@ A NULL quota limit means unlimited.
 from __future__ import annotations
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
 metadata = sa.MetaData()
 
@@ -103,6 +104,7 @@ usage_events = sa.Table(
     sa.Column("finished_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("usage_events_tenant_finished", "tenant_id", "finished_at"),
     sa.Index("usage_events_finished", "finished_at"),
+    sa.Index("usage_events_key_finished", "key_id", "finished_at"),
 )
 
 shed_events = sa.Table(
@@ -114,4 +116,44 @@ shed_events = sa.Table(
     sa.Column("at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("shed_events_tenant_at", "tenant_id", "at"),
     sa.Index("shed_events_at", "at"),
+)
+
+# Rollups (tenants/rollups.py): one row per granularity ("hour" | "day"), UTC period, tenant, key and model;
+# latency histograms count requests per fixed bucket (LATENCY_BUCKETS there).
+usage_rollups = sa.Table(
+    "usage_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, nullable=False),
+    sa.Column("period_start", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tenant_id", sa.BigInteger, nullable=False),
+    sa.Column("key_id", sa.BigInteger),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False),
+    sa.Column("output_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cost", sa.Numeric, nullable=False),
+    sa.Column("slo_met", sa.BigInteger, nullable=False),
+    sa.Column("ttft_histogram", ARRAY(sa.Integer), nullable=False),
+    sa.Column("tpot_histogram", ARRAY(sa.Integer), nullable=False),
+    sa.Index("usage_rollups_period", "granularity", "period_start"),
+)
+
+shed_rollups = sa.Table(
+    "shed_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.BigInteger, primary_key=True),
+    sa.Column("period_start", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("reason", sa.Text, primary_key=True),
+    sa.Column("refusals", sa.BigInteger, nullable=False),
+    sa.Index("shed_rollups_period", "granularity", "period_start"),
+)
+
+# Hours whose rollups are stale: inserted by triggers on both ledgers, consumed by refresh_rollups.
+rollup_marks = sa.Table(
+    "rollup_marks",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
 )

@@ -17,8 +17,19 @@ from typing import Literal
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tenants.models import SHED_REASONS, api_keys, quota_state, quotas, shed_events, tenants, usage_events
+from tenants.models import (
+    SHED_REASONS,
+    api_keys,
+    quota_state,
+    quotas,
+    shed_events,
+    shed_rollups,
+    tenants,
+    usage_events,
+    usage_rollups,
+)
 from tenants.records import InvalidValue
+from tenants.rollups import DAY, HOUR, SLO_MET_SQL, ceil_to, floor_to, percentile, refresh_rollups
 
 Step = Literal["hour", "day"]
 MAX_PAGE = 500
@@ -147,82 +158,183 @@ class LedgerRow:
     e2e_s: float | None
 
 
-def _slo_met(ttft: sa.ColumnElement, tpot: sa.ColumnElement) -> sa.ColumnElement[bool]:
-    """Whether a request met its tenant's targets (the tenants table joined as ``tenants``)."""
-    return sa.and_(
-        ttft <= tenants.c.ttft_target_s,
-        sa.or_(tpot.is_(None), tpot <= tenants.c.tpot_target_s),
-    )
+@dataclass(frozen=True)
+class _Plan:
+    """Where a window's figures come from: raw rows for the parts not covering a whole hour, hourly
+    rollups for whole hours outside whole days, daily rollups for whole days (when allowed)."""
+
+    raw: list[Window]
+    hours: list[Window]
+    days: list[Window]
+
+    @classmethod
+    def of(cls, window: Window, use_days: bool = True) -> _Plan:
+        h1, h2 = ceil_to(window.since, HOUR), floor_to(window.until, HOUR)
+        if h1 >= h2:
+            return cls([window], [], [])
+        raw = _nonempty((window.since, h1), (h2, window.until))
+        d1, d2 = ceil_to(h1, DAY), floor_to(h2, DAY)
+        if not use_days or d1 >= d2:
+            return cls(raw, [Window(h1, h2)], [])
+        return cls(raw, _nonempty((h1, d1), (d2, h2)), [Window(d1, d2)])
 
 
-def _in(column: sa.ColumnElement, window: Window) -> sa.ColumnElement[bool]:
-    return sa.and_(column >= window.since, column < window.until)
+def _nonempty(*spans: tuple[datetime, datetime]) -> list[Window]:
+    return [Window(since, until) for since, until in spans if since < until]
 
 
-def _usage_query(window: Window, tenant_id: int | None) -> sa.Select:
-    u = usage_events.c
-    pct = [
-        sa.func.percentile_cont(q).within_group(u[f"{metric}_s"]).label(f"{metric}_p{int(q * 100)}")
-        for metric in ("ttft", "tpot")
-        for q in (0.5, 0.99)
-    ]
-    query = (
-        sa.select(
-            sa.func.count().label("requests"),
-            sa.func.coalesce(sa.func.sum(u.prompt_tokens), 0).label("prompt_tokens"),
-            sa.func.coalesce(sa.func.sum(u.cached_tokens), 0).label("cached_tokens"),
-            sa.func.coalesce(sa.func.sum(u.output_tokens), 0).label("output_tokens"),
-            sa.func.coalesce(sa.func.sum(u.cost), 0).label("cost_units"),
-            sa.func.count().filter(_slo_met(u.ttft_s, u.tpot_s)).label("slo_met"),
-            *pct,
+def _within(column: sa.ColumnElement, windows: list[Window]) -> sa.ColumnElement[bool]:
+    return sa.or_(*(sa.and_(column >= w.since, column < w.until) for w in windows))
+
+
+# How figures are grouped: one total, per tenant, or per hour or day.
+Group = Literal["all", "tenant", "hour", "day"]
+
+
+def _group_key(group: Group, tenant: sa.ColumnElement, moment: sa.ColumnElement) -> list[sa.ColumnElement]:
+    """The grouping column(s) of a source: none for one total, else the tenant or the period's start."""
+    if group == "all":
+        return []
+    if group == "tenant":
+        return [tenant]
+    return [sa.func.date_trunc(group, moment, "UTC")]
+
+
+def _keyed(key: list[sa.ColumnElement]) -> list[sa.ColumnElement]:
+    return [*(column.label("k") for column in key)] or [sa.literal_column("0").label("k")]
+
+
+def _usage_sources(plan: _Plan, group: Group, tenant_id: int | None) -> list[sa.Select]:
+    e, r = usage_events.alias("e"), usage_rollups
+    t = tenants.alias("t")
+    sources = []
+    if plan.raw:
+        key = _group_key(group, e.c.tenant_id, e.c.finished_at)
+        query = (
+            sa.select(
+                *_keyed(key),
+                sa.func.count().label("requests"),
+                sa.func.sum(e.c.prompt_tokens).label("prompt_tokens"),
+                sa.func.sum(e.c.cached_tokens).label("cached_tokens"),
+                sa.func.sum(e.c.output_tokens).label("output_tokens"),
+                sa.func.sum(e.c.cost).label("cost"),
+                sa.func.count().filter(sa.text(SLO_MET_SQL)).label("slo_met"),
+                sa.func.weir_histogram(e.c.ttft_s).label("ttft"),
+                sa.func.weir_histogram(e.c.tpot_s).label("tpot"),
+            )
+            .select_from(e.outerjoin(t, t.c.id == e.c.tenant_id))
+            .where(_within(e.c.finished_at, plan.raw))
+            .group_by(*key)
         )
-        .select_from(usage_events.outerjoin(tenants, tenants.c.id == u.tenant_id))
-        .where(_in(u.finished_at, window))
-    )
-    return query if tenant_id is None else query.where(u.tenant_id == tenant_id)
+        sources.append(query if tenant_id is None else query.where(e.c.tenant_id == tenant_id))
+    for granularity, windows in (("hour", plan.hours), ("day", plan.days)):
+        if not windows:
+            continue
+        key = _group_key(group, r.c.tenant_id, r.c.period_start)
+        query = (
+            sa.select(
+                *_keyed(key),
+                *(
+                    sa.func.sum(r.c[name]).label(name)
+                    for name in (
+                        "requests",
+                        "prompt_tokens",
+                        "cached_tokens",
+                        "output_tokens",
+                        "cost",
+                        "slo_met",
+                    )
+                ),
+                sa.func.weir_histogram_sum(r.c.ttft_histogram).label("ttft"),
+                sa.func.weir_histogram_sum(r.c.tpot_histogram).label("tpot"),
+            )
+            .where(r.c.granularity == granularity, _within(r.c.period_start, windows))
+            .group_by(*key)
+        )
+        sources.append(query if tenant_id is None else query.where(r.c.tenant_id == tenant_id))
+    return sources
 
 
-async def _refusals(conn: AsyncConnection, window: Window, tenant_id: int | None) -> dict[str, int]:
-    query = (
-        sa.select(shed_events.c.reason, sa.func.count())
-        .where(_in(shed_events.c.at, window))
-        .group_by(shed_events.c.reason)
-    )
-    if tenant_id is not None:
-        query = query.where(shed_events.c.tenant_id == tenant_id)
-    counts = _no_refusals()
-    for reason, count in (await conn.execute(query)).all():
-        counts[reason] = counts.get(reason, 0) + count
-    return counts
+def _shed_sources(plan: _Plan, group: Group, tenant_id: int | None) -> list[sa.Select]:
+    s, r = shed_events, shed_rollups
+    sources = []
+    if plan.raw:
+        key = _group_key(group, s.c.tenant_id, s.c.at)
+        query = (
+            sa.select(*_keyed(key), s.c.reason, sa.func.count().label("n"))
+            .where(_within(s.c.at, plan.raw))
+            .group_by(*key, s.c.reason)
+        )
+        sources.append(query if tenant_id is None else query.where(s.c.tenant_id == tenant_id))
+    for granularity, windows in (("hour", plan.hours), ("day", plan.days)):
+        if windows:
+            key = _group_key(group, r.c.tenant_id, r.c.period_start)
+            query = (
+                sa.select(*_keyed(key), r.c.reason, sa.func.sum(r.c.refusals).label("n"))
+                .where(r.c.granularity == granularity, _within(r.c.period_start, windows))
+                .group_by(*key, r.c.reason)
+            )
+            sources.append(query if tenant_id is None else query.where(r.c.tenant_id == tenant_id))
+    return sources
 
 
-async def _figures(conn: AsyncConnection, window: Window, tenant_id: int | None) -> UsageFigures:
-    row = (await conn.execute(_usage_query(window, tenant_id))).one()
-    values = dict(row._mapping)
-    values["cost_units"] = Decimal(values["cost_units"])
-    return UsageFigures(**values, refusals=await _refusals(conn, window, tenant_id))
+async def _grouped(
+    conn: AsyncConnection, window: Window, group: Group, tenant_id: int | None = None
+) -> dict[object, UsageFigures]:
+    """Figures over ``window`` per group key (0 for "all", the tenant id, or the period's start); groups
+    without requests or refusals are absent."""
+    plan = _Plan.of(window, use_days=group != "hour")
+    usage = sa.union_all(*_usage_sources(plan, group, tenant_id)).subquery()
+    totals = sa.select(
+        usage.c.k,
+        *(
+            sa.func.coalesce(sa.func.sum(usage.c[name]), 0).label(name)
+            for name in ("requests", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "slo_met")
+        ),
+        sa.func.weir_histogram_sum(usage.c.ttft).label("ttft"),
+        sa.func.weir_histogram_sum(usage.c.tpot).label("tpot"),
+    ).group_by(usage.c.k)
+    shed = sa.union_all(*_shed_sources(plan, group, tenant_id)).subquery()
+    refused = sa.select(shed.c.k, shed.c.reason, sa.func.sum(shed.c.n)).group_by(shed.c.k, shed.c.reason)
+    refusals: dict[object, dict[str, int]] = {}
+    for key, reason, count in (await conn.execute(refused)).all():
+        refusals.setdefault(key, _no_refusals())[reason] = int(count)
+    figures = {}
+    for row in (await conn.execute(totals)).all():
+        if not row.requests:
+            continue
+        figures[row.k] = UsageFigures(
+            requests=int(row.requests),
+            prompt_tokens=int(row.prompt_tokens),
+            cached_tokens=int(row.cached_tokens),
+            output_tokens=int(row.output_tokens),
+            cost_units=Decimal(row.cost),
+            slo_met=int(row.slo_met),
+            ttft_p50=percentile(row.ttft, 0.5),
+            ttft_p99=percentile(row.ttft, 0.99),
+            tpot_p50=percentile(row.tpot, 0.5),
+            tpot_p99=percentile(row.tpot, 0.99),
+            refusals=refusals.pop(row.k, _no_refusals()),
+        )
+    for key, counts in refusals.items():
+        figures[key] = UsageFigures(refusals=counts)
+    return figures
 
 
 async def overview(db: AsyncEngine, window: Window, tenant_id: int | None = None) -> UsageFigures:
     """Usage, latency and refusals over ``window``, of one tenant or all."""
+    await refresh_rollups(db)
     async with db.connect() as conn:
-        return await _figures(conn, window, tenant_id)
+        return (await _grouped(conn, window, "all", tenant_id)).get(0, UsageFigures())
 
 
 def _month_start(now: datetime) -> datetime:
     return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
-async def _settled_cost(conn: AsyncConnection, window: Window) -> dict[int, Decimal]:
-    u = usage_events.c
-    query = (
-        sa.select(u.tenant_id, sa.func.sum(u.cost)).where(_in(u.finished_at, window)).group_by(u.tenant_id)
-    )
-    return {tenant: Decimal(cost) for tenant, cost in (await conn.execute(query)).all()}
-
-
 async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
     """Every tenant (by name) with its figures over ``window`` and its quota use now."""
+    await refresh_rollups(db)
     now = datetime.now(UTC)
     query = (
         sa.select(tenants, quotas, quota_state.c.in_flight)
@@ -231,63 +343,48 @@ async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
     )
     async with db.connect() as conn:
         rows = (await conn.execute(query)).all()
-        last_minute = await _settled_cost(conn, Window(now - timedelta(minutes=1), now))
-        month = await _settled_cost(conn, Window(_month_start(now), now))
-        table = []
-        for row in rows:
-            table.append(
-                TenantFigures(
-                    tenant_id=row.id,
-                    name=row.name,
-                    status=row.status,
-                    weight=row.weight,
-                    ttft_target_s=row.ttft_target_s,
-                    tpot_target_s=row.tpot_target_s,
-                    figures=await _figures(conn, window, row.id),
-                    cost_per_minute=row.cost_per_minute,
-                    cost_last_minute=last_minute.get(row.id, Decimal(0)),
-                    max_concurrency=row.max_concurrency,
-                    slots_held=row.in_flight or 0,
-                    monthly_budget=row.monthly_budget,
-                    spent_this_month=month.get(row.id, Decimal(0)),
-                )
-            )
-    return table
-
-
-def _steps(window: Window, step: Step) -> list[Window]:
-    """The window cut at whole hours or UTC days (the first and last pieces may be partial)."""
-    size = timedelta(hours=1) if step == "hour" else timedelta(days=1)
-    start = window.since.replace(minute=0, second=0, microsecond=0)
-    if step == "day":
-        start = start.replace(hour=0)
-    pieces = []
-    while start < window.until:
-        pieces.append(Window(max(start, window.since), min(start + size, window.until)))
-        start += size
-    return pieces
+        figures = await _grouped(conn, window, "tenant")
+        last_minute = await _grouped(conn, Window(now - timedelta(minutes=1), now), "tenant")
+        month = await _grouped(conn, Window(_month_start(now), now), "tenant")
+    nothing = UsageFigures()
+    return [
+        TenantFigures(
+            tenant_id=row.id,
+            name=row.name,
+            status=row.status,
+            weight=row.weight,
+            ttft_target_s=row.ttft_target_s,
+            tpot_target_s=row.tpot_target_s,
+            figures=figures.get(row.id, nothing),
+            cost_per_minute=row.cost_per_minute,
+            cost_last_minute=last_minute.get(row.id, nothing).cost_units,
+            max_concurrency=row.max_concurrency,
+            slots_held=row.in_flight or 0,
+            monthly_budget=row.monthly_budget,
+            spent_this_month=month.get(row.id, nothing).cost_units,
+        )
+        for row in rows
+    ]
 
 
 async def tenant_series(db: AsyncEngine, tenant_id: int, window: Window, step: Step) -> list[SeriesPoint]:
-    """One point per hour or UTC day of ``window`` (every interval, empty ones too)."""
+    """One point per hour or UTC day of ``window`` (every interval, empty ones too), at the interval's
+    start (the first one at its hour or day, even when the window starts later)."""
     if step not in ("hour", "day"):
         raise InvalidValue(f"step must be 'hour' or 'day', got {step!r}")
-    points = []
+    await refresh_rollups(db)
     async with db.connect() as conn:
-        for piece in _steps(window, step):
-            f = await _figures(conn, piece, tenant_id)
-            points.append(
-                SeriesPoint(
-                    piece.since,
-                    f.cost_units,
-                    f.requests,
-                    f.ttft_p50,
-                    f.ttft_p99,
-                    f.tpot_p50,
-                    f.tpot_p99,
-                    f.refusals,
-                )
+        figures = await _grouped(conn, window, step, tenant_id)
+    size = HOUR if step == "hour" else DAY
+    points, start = [], floor_to(window.since, size)
+    while start < window.until:
+        f = figures.get(start, UsageFigures())
+        points.append(
+            SeriesPoint(
+                start, f.cost_units, f.requests, f.ttft_p50, f.ttft_p99, f.tpot_p50, f.tpot_p99, f.refusals
             )
+        )
+        start += size
     return points
 
 
