@@ -5,53 +5,14 @@ from __future__ import annotations
 
 import math
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 
-from tenants.admin import create_key, create_tenant
 from tenants.models import SHED_REASONS
 from tenants.reporting import Window, overview, tenant_series, tenant_table
 from tenants.rollups import refresh_rollups
-from tenants.usage import ShedEvent, UsageEvent, write_events
-
-START = datetime(2026, 5, 30, 0, tzinfo=UTC)
-SPAN = timedelta(days=4)
-
-
-def _moment(rng: random.Random) -> datetime:
-    """A random time in the span; one in five exactly on an hour."""
-    moment = START + timedelta(seconds=rng.uniform(0, SPAN.total_seconds()))
-    return moment.replace(minute=0, second=0, microsecond=0) if rng.random() < 0.2 else moment
-
-
-def _events(rng: random.Random, tenants: list[tuple[int, list[int]]], n: int) -> list[UsageEvent]:
-    events = []
-    for i in range(n):
-        tenant_id, keys = rng.choice(tenants)
-        prompt, output = rng.randint(0, 4000), rng.randint(0, 500)
-        cached = rng.randint(0, prompt)
-        finished = _moment(rng)
-        events.append(
-            UsageEvent(
-                request_id=f"req-{rng.getrandbits(64):x}-{i}",
-                tenant_id=tenant_id,
-                key_id=rng.choice([*keys, None]),
-                model=rng.choice(["smol", "big"]),
-                prompt_tokens=prompt,
-                cached_tokens=cached,
-                output_tokens=output,
-                cost=0.97 * (prompt - cached) + 0.113 * cached + 2.31 * output,  # not exact in binary
-                status=rng.choice(["ok", "ok", "ok", "error", "cancelled"]),
-                finish_reason=rng.choice(["stop", "length", None]),
-                queue_s=rng.uniform(0, 1),
-                ttft_s=rng.choice([None, rng.lognormvariate(-1, 1), rng.uniform(0, 0.001)]),
-                tpot_s=rng.choice([None, rng.lognormvariate(-3, 0.7)]),
-                e2e_s=rng.uniform(0, 30),
-                started_at=finished - timedelta(seconds=5),
-                finished_at=finished,
-            )
-        )
-    return events
+from tenants.usage import write_events
+from tests.tenants.ledger_data import SPAN, START, ledger_tenants, moment, shed_events, usage_events
 
 
 def _nearest_rank(values: list[float], q: float) -> float | None:
@@ -95,7 +56,7 @@ def _check(figures, events, sheds, window, targets, tenant_id=None) -> None:
 
 def _window(rng: random.Random) -> Window:
     kind = rng.choice(["any", "hours", "days", "short"])
-    since = _moment(rng) - timedelta(hours=6)
+    since = moment(rng) - timedelta(hours=6)
     if kind == "hours":
         since = since.replace(minute=0, second=0, microsecond=0)
         return Window(since, since + timedelta(hours=rng.randint(1, 60)))
@@ -108,14 +69,9 @@ def _window(rng: random.Random) -> Window:
 
 async def test_reporting_totals_equal_the_raw_ledger(db_engine):
     rng = random.Random(9)
-    targets, tenants = {}, []
-    for name, ttft, tpot in (("acme", 0.5, 0.05), ("globex", 1.0, 0.1), ("initech", 0.2, 0.03)):
-        tenant = await create_tenant(db_engine, name, ttft_target_s=ttft, tpot_target_s=tpot)
-        keys = [(await create_key(db_engine, tenant.id))[0].id for _ in range(2)]
-        targets[tenant.id] = (ttft, tpot)
-        tenants.append((tenant.id, keys))
-    events = _events(rng, tenants, 1500)
-    sheds = [ShedEvent(rng.choice(tenants)[0], rng.choice(SHED_REASONS), _moment(rng)) for _ in range(300)]
+    targets, tenants = await ledger_tenants(db_engine)
+    events = usage_events(rng, tenants, 1500)
+    sheds = shed_events(rng, tenants, 300)
     await write_events(db_engine, events[:1000] + sheds[:200])
     await refresh_rollups(db_engine)
     # late events (a replayed spill file) land in hours already rolled up; a replayed batch counts once
