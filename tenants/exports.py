@@ -1,18 +1,20 @@
 """Billing exports: usage rows per request, hour or UTC day, streamed as CSV, JSON Lines or FOCUS 1.2 CSV.
 
-Rows come from the ledger (``request``) or the rollups (``hour``, ``day``; refreshed first), in a
-server-side cursor, and the writers yield text a batch of rows at a time: an export is never held whole in
-memory. docs/billing.md describes the formats, the row ids and when an interval is closed.
+``export_rows`` selects an export's rows: from the ledger (``request``) or the rollups (``hour``, ``day``;
+refreshed first). Iterated, it yields :class:`ExportRow` values; given to a writer (``csv_chunks``,
+``jsonl_chunks``, ``focus_chunks``) it streams text that PostgreSQL formats itself (``COPY (SELECT ...)
+TO STDOUT``), chunk by chunk through a small bounded queue, so an export is never held in memory and
+Python never touches a single row. docs/billing.md describes the formats, the row ids and when an
+interval is closed.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
+import asyncio
+import codecs
+import contextlib
 import os
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
@@ -21,7 +23,6 @@ from typing import Literal, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tenants.models import api_keys, tenants, usage_events, usage_rollups
 from tenants.records import InvalidValue
 from tenants.rollups import DAY, HOUR, floor_to, refresh_rollups
 
@@ -42,12 +43,12 @@ COLUMNS = (
     "cost_units",
 )
 CLOSE_AFTER = timedelta(minutes=5)  # an interval is closed this long after its end
-_ROW_NAMESPACE = uuid.UUID("6f1d8a52-3c37-4c8e-9a55-0b5e2f61c0de")
-_BATCH = 2000
+_QUEUE_CHUNKS = 8  # COPY chunks (about 64 KiB each) buffered between PostgreSQL and the reader
 
 
 class ExportRow(NamedTuple):
-    """One row of an export (COLUMNS); ``key_prefix`` is empty for usage without a key."""
+    """One row of an export (COLUMNS, then the tenant's and key's ids); ``key_prefix`` is empty for usage
+    without a key."""
 
     id: str
     tenant: str
@@ -65,12 +66,6 @@ class ExportRow(NamedTuple):
     key_id: int | None
 
 
-def row_id(granularity: Granularity, tenant_id: int, key_id: int | None, model: str, start: datetime) -> str:
-    """The stable id of an interval's row: the same in every export of that interval."""
-    name = f"{granularity}/{tenant_id}/{'' if key_id is None else key_id}/{model}/{start.isoformat()}"
-    return str(uuid.uuid5(_ROW_NAMESPACE, name))
-
-
 def check_range(since: datetime, until: datetime, granularity: str) -> None:
     """``InvalidValue`` unless the range is aware, non-empty and, for ``hour``/``day``, on whole intervals."""
     if granularity not in GRANULARITIES:
@@ -86,190 +81,148 @@ def check_range(since: datetime, until: datetime, granularity: str) -> None:
         raise InvalidValue("until must be after since")
 
 
-def _names(tenant_id: sa.ColumnElement) -> tuple[sa.ColumnElement, sa.ColumnElement]:
-    """The tenant's name (its id for a tenant that is gone) and the key's prefix ("" without a key)."""
-    return sa.func.coalesce(tenants.c.name, sa.cast(tenant_id, sa.Text)), sa.func.coalesce(
-        api_keys.c.prefix, ""
-    )
+def _moment_sql(value: datetime) -> str:
+    """A literal timestamptz (COPY takes no parameters; the text is our own, from an aware datetime)."""
+    return f"'{value.astimezone(UTC).isoformat()}'::timestamptz"
 
 
-def _request_query(since: datetime, until: datetime, tenant_id: int | None) -> sa.Select:
-    e = usage_events.c
-    tenant, prefix = _names(e.tenant_id)
-    query = (
-        sa.select(
-            e.request_id,
-            tenant,
-            prefix,
-            e.model,
-            e.started_at,
-            e.finished_at,
-            e.prompt_tokens,
-            e.cached_tokens,
-            e.output_tokens,
-            e.cost,
-            e.tenant_id,
-            e.key_id,
+def _iso_text(utc_timestamp: str) -> str:
+    """SQL for a UTC timestamp (without time zone) as ISO 8601 text, ``2026-05-01T12:00:00.000000Z``."""
+    return f"""to_char({utc_timestamp}, 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
+
+
+def _utc_text(column: str) -> str:
+    """SQL for a timestamptz as ISO 8601 UTC text (whatever the session's time zone)."""
+    return _iso_text(f"{column} AT TIME ZONE 'UTC'")
+
+
+_NAMES = "coalesce(t.name, {src}.tenant_id::text) AS tenant, coalesce(k.prefix, '') AS key_prefix"
+_JOINS = "LEFT JOIN tenants AS t ON t.id = {src}.tenant_id LEFT JOIN api_keys AS k ON k.id = {src}.key_id"
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export's rows: ``async for`` gives :class:`ExportRow` values; the writers stream it as text."""
+
+    db: AsyncEngine
+    since: datetime
+    until: datetime
+    granularity: Granularity
+    tenant_id: int | None
+
+    def source(self, closed_before: datetime) -> tuple[str, str]:
+        """The SELECT of the rows (columns COLUMNS + tenant_id, key_id) and its ORDER BY."""
+        where = f"BETWEEN_SINCE >= {_moment_sql(self.since)} AND BETWEEN_UNTIL < {_moment_sql(self.until)}"
+        if self.granularity == "request":
+            where = where.replace("BETWEEN_SINCE", "e.finished_at").replace("BETWEEN_UNTIL", "e.finished_at")
+            select = f"""
+SELECT e.request_id AS id, {_NAMES.format(src="e")}, e.model, e.started_at AS period_start,
+       e.finished_at AS period_end, true AS closed, 1 AS requests, e.prompt_tokens, e.cached_tokens,
+       e.output_tokens, e.cost AS cost_units, e.tenant_id, e.key_id
+FROM usage_events AS e {_JOINS.format(src="e")}
+WHERE {where}{"" if self.tenant_id is None else f" AND e.tenant_id = {int(self.tenant_id)}"}"""
+            return select, "period_end, id"
+        step = "interval '1 hour'" if self.granularity == "hour" else "interval '24 hours'"
+        where = where.replace("BETWEEN_SINCE", "r.period_start").replace("BETWEEN_UNTIL", "r.period_start")
+        row_id = (
+            f"md5(concat_ws('/', r.granularity, r.tenant_id, coalesce(r.key_id::text, ''), r.model, "
+            f"{_utc_text('r.period_start')}))::uuid::text"
         )
-        .select_from(
-            usage_events.outerjoin(tenants, tenants.c.id == e.tenant_id).outerjoin(
-                api_keys, api_keys.c.id == e.key_id
-            )
-        )
-        .where(e.finished_at >= since, e.finished_at < until)
-        .order_by(e.finished_at, e.request_id)
-    )
-    return query if tenant_id is None else query.where(e.tenant_id == tenant_id)
+        select = f"""
+SELECT {row_id} AS id, {_NAMES.format(src="r")}, r.model, r.period_start,
+       r.period_start + {step} AS period_end,
+       r.period_start + {step} <= {_moment_sql(closed_before)} AS closed, r.requests, r.prompt_tokens,
+       r.cached_tokens, r.output_tokens, r.cost AS cost_units, r.tenant_id, r.key_id
+FROM usage_rollups AS r {_JOINS.format(src="r")}
+WHERE r.granularity = '{self.granularity}' AND {where}
+      {"" if self.tenant_id is None else f" AND r.tenant_id = {int(self.tenant_id)}"}"""
+        return select, "period_start, tenant_id, key_id NULLS FIRST, model"
+
+    async def _prepared(self) -> tuple[str, str]:
+        if self.granularity != "request":
+            await refresh_rollups(self.db)
+        return self.source(datetime.now(UTC) - CLOSE_AFTER)
+
+    async def __aiter__(self) -> AsyncIterator[ExportRow]:
+        select, order = await self._prepared()
+        query = sa.text(f"SELECT * FROM ({select}) AS x ORDER BY {order}")
+        async with self.db.connect() as conn:
+            result = await conn.stream(query.execution_options(yield_per=5000))
+            async for row in result:
+                yield ExportRow(*row)
+
+    async def copy(self, formatted: str, then_by: str = "", **options: str) -> AsyncIterator[str]:
+        """The text of ``COPY (formatted) TO STDOUT (FORMAT csv)`` as it arrives, where ``formatted`` selects
+        from ``{rows}`` (the rows), ordered as the rows are and then by ``then_by``; ``options`` are COPY's
+        (``delimiter``, ``quote``)."""
+        select, order = await self._prepared()
+        order += f", {then_by}" if then_by else ""
+        query = f"{formatted.format(rows=f'({select}) AS x')} ORDER BY {order}"
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(_QUEUE_CHUNKS)
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        async with self.db.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+
+            async def produce() -> None:
+                try:
+                    await raw.copy_from_query(query, output=queue.put, format="csv", **options)
+                finally:
+                    await queue.put(None)
+
+            task = asyncio.create_task(produce())
+            try:
+                while (chunk := await queue.get()) is not None:
+                    yield decoder.decode(chunk)
+                await task  # raises what the COPY raised
+            finally:
+                if not task.done():  # the reader went away: stop the COPY and drop the connection
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    await conn.invalidate()
 
 
-def _rollup_query(since: datetime, until: datetime, granularity: str, tenant_id: int | None) -> sa.Select:
-    r = usage_rollups.c
-    tenant, prefix = _names(r.tenant_id)
-    query = (
-        sa.select(
-            tenant,
-            prefix,
-            r.model,
-            r.period_start,
-            r.requests,
-            r.prompt_tokens,
-            r.cached_tokens,
-            r.output_tokens,
-            r.cost,
-            r.tenant_id,
-            r.key_id,
-        )
-        .select_from(
-            usage_rollups.outerjoin(tenants, tenants.c.id == r.tenant_id).outerjoin(
-                api_keys, api_keys.c.id == r.key_id
-            )
-        )
-        .where(r.granularity == granularity, r.period_start >= since, r.period_start < until)
-        .order_by(r.period_start, r.tenant_id, r.key_id.nulls_first(), r.model)
-    )
-    return query if tenant_id is None else query.where(r.tenant_id == tenant_id)
-
-
-async def export_rows(
+def export_rows(
     db: AsyncEngine,
     since: datetime,
     until: datetime,
     granularity: Granularity,
     tenant_id: int | None = None,
-) -> AsyncIterator[ExportRow]:
-    """The export's rows in time order: each request that finished in ``[since, until)``, or each hour or
-    day starting in it (per tenant, key and model, only those with requests)."""
+) -> Export:
+    """The export of each request that finished in ``[since, until)``, or of each hour or day starting in
+    it (per tenant, key and model, only those with requests), in time order; ``InvalidValue`` for a bad
+    range (:func:`check_range`)."""
     check_range(since, until, granularity)
-    if granularity == "request":
-        query = _request_query(since, until, tenant_id)
-    else:
-        await refresh_rollups(db)
-        query = _rollup_query(since, until, granularity, tenant_id)
-    size = HOUR if granularity == "hour" else DAY
-    closed_before = datetime.now(UTC) - CLOSE_AFTER
-    async with db.connect() as conn:
-        result = await conn.stream(query.execution_options(yield_per=_BATCH))
-        async for rows in result.partitions():
-            for row in rows:
-                if granularity == "request":
-                    rid, tenant, prefix, model, start, end, prompt, cached, output, cost, tid, kid = row
-                    yield ExportRow(
-                        rid,
-                        tenant,
-                        prefix,
-                        model,
-                        start,
-                        end,
-                        True,
-                        1,
-                        prompt,
-                        cached,
-                        output,
-                        cost,
-                        tid,
-                        kid,
-                    )
-                else:
-                    tenant, prefix, model, start, requests, prompt, cached, output, cost, tid, kid = row
-                    end = start + size
-                    yield ExportRow(
-                        row_id(granularity, tid, kid, model, start),
-                        tenant,
-                        prefix,
-                        model,
-                        start,
-                        end,
-                        end <= closed_before,
-                        requests,
-                        prompt,
-                        cached,
-                        output,
-                        cost,
-                        tid,
-                        kid,
-                    )
+    return Export(db, since, until, granularity, tenant_id)
 
 
-def _moment(value: datetime) -> str:
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+_CSV_FIELDS = (
+    f"id, tenant, key_prefix, model, {_utc_text('period_start')}, {_utc_text('period_end')}, "
+    "CASE WHEN closed THEN 'true' ELSE 'false' END, requests, prompt_tokens, cached_tokens, output_tokens, "
+    "cost_units::text"
+)
 
 
-def _fields(row: ExportRow) -> tuple:
-    return (
-        row.id,
-        row.tenant,
-        row.key_prefix,
-        row.model,
-        _moment(row.period_start),
-        _moment(row.period_end),
-        "true" if row.closed else "false",
-        row.requests,
-        row.prompt_tokens,
-        row.cached_tokens,
-        row.output_tokens,
-        str(row.cost_units),
+async def csv_chunks(rows: Export) -> AsyncIterator[str]:
+    """The export as CSV with the header COLUMNS (times ISO 8601 UTC, ``closed`` true/false, CRLF-free)."""
+    yield ",".join(COLUMNS) + "\n"
+    async for chunk in rows.copy(f"SELECT {_CSV_FIELDS} FROM {{rows}}"):
+        yield chunk
+
+
+async def jsonl_chunks(rows: Export) -> AsyncIterator[str]:
+    """The export as JSON Lines: one object per row with the CSV's fields in its order (``cost_units`` a
+    decimal string, so that no digit is lost; ``closed`` a boolean; counts are numbers)."""
+    fields = ", ".join(
+        f"'{name}', {_utc_text(name) if name.startswith('period') else name}"
+        for name in COLUMNS
+        if name != "cost_units"
     )
-
-
-async def _csv(header: Iterable[str], rows: AsyncIterator[tuple]) -> AsyncIterator[str]:
-    """CSV text (RFC 4180, CRLF line ends): the header, then a chunk per batch of rows."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(header)
-    count = 0
-    async for fields in rows:
-        writer.writerow(fields)
-        count += 1
-        if count % _BATCH == 0:
-            yield buffer.getvalue()
-            buffer.seek(0)
-            buffer.truncate()
-    yield buffer.getvalue()
-
-
-async def _plain(rows: AsyncIterator[ExportRow]) -> AsyncIterator[tuple]:
-    async for row in rows:
-        yield _fields(row)
-
-
-def csv_chunks(rows: AsyncIterator[ExportRow]) -> AsyncIterator[str]:
-    """The export as CSV with the header COLUMNS (times in ISO 8601 UTC, ``closed`` true/false)."""
-    return _csv(COLUMNS, _plain(rows))
-
-
-async def jsonl_chunks(rows: AsyncIterator[ExportRow]) -> AsyncIterator[str]:
-    """The export as JSON Lines: one object per row with the CSV's fields (``cost_units`` a decimal
-    string, so that no digit is lost; ``closed`` a boolean; counts are numbers)."""
-    lines: list[str] = []
-    async for row in rows:
-        fields = dict(zip(COLUMNS, _fields(row), strict=True))
-        fields["closed"] = row.closed
-        lines.append(json.dumps(fields, separators=(",", ":")))
-        if len(lines) == _BATCH:
-            yield "\n".join(lines) + "\n"
-            lines.clear()
-    if lines:
-        yield "\n".join(lines) + "\n"
+    # one column, with CSV's delimiter and quote moved to control characters that JSON text never holds
+    # raw, so that nothing is quoted
+    query = f"SELECT json_build_object({fields}, 'cost_units', cost_units::text)::text FROM {{rows}}"
+    async for chunk in rows.copy(query, delimiter="\x02", quote="\x01"):
+        yield chunk
 
 
 @dataclass(frozen=True)
@@ -330,73 +283,52 @@ FOCUS_COLUMNS = (
     "x_RowId",
     "x_Closed",
 )
+# Each export row becomes one FOCUS row per token kind: its SkuId, what ChargeDescription calls it.
 TOKEN_KINDS = (
     ("input-tokens", "uncached prompt"),
     ("cached-input-tokens", "cached prompt"),
     ("output-tokens", "output"),
 )
-_MICRO = Decimal("0.000001")
 
 
-def split_cost(row: ExportRow, weights: tuple[Decimal, Decimal, Decimal]) -> list[Decimal]:
-    """The row's cost units shared among uncached prompt, cached prompt and output tokens in proportion to
-    ``weights * tokens``, in micro cost units; the shares add up to the row's cost exactly (the output
-    share takes the rounding)."""
-    tokens = (row.prompt_tokens - row.cached_tokens, row.cached_tokens, row.output_tokens)
-    weighted = [w * t for w, t in zip(weights, tokens, strict=True)]
-    total = sum(weighted)
-    if total == 0:
-        return [Decimal(0), Decimal(0), row.cost_units]
-    first = [(row.cost_units * share / total).quantize(_MICRO) for share in weighted[:2]]
-    return [*first, row.cost_units - sum(first)]
+def _text(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
-def _month_bounds(moment: datetime) -> tuple[datetime, datetime]:
-    start = moment.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    end = (start + timedelta(days=32)).replace(day=1)
-    return start, end
+def _focus_query(settings: FocusSettings) -> str:
+    """The FOCUS rows: a row's cost units are shared among its token kinds in proportion to weight times
+    tokens, rounded (half away from zero) to micro cost units; the output share takes the rounding, so
+    the shares add up to the row's cost exactly (all of it goes to output when no token is weighted)."""
+    w_in, w_cached, w_out = (f"{w}::numeric" for w in settings.weights)
+    price, who = f"{settings.price_per_cost_unit}::numeric", _text(settings.provider)
+    weighted = (
+        f"({w_in} * (prompt_tokens - cached_tokens) + {w_cached} * cached_tokens + {w_out} * output_tokens)"
+    )
+    share = f"CASE WHEN {weighted} = 0 THEN 0 ELSE round(cost_units * {{w}} * {{tokens}} / {weighted}, 6) END"
+    first = share.format(w=w_in, tokens="(prompt_tokens - cached_tokens)")
+    second = share.format(w=w_cached, tokens="cached_tokens")
+    month = "date_trunc('month', s.period_start AT TIME ZONE 'UTC')"
+    kinds = ", ".join(f"({n}, {_text(sku)}, {_text(what)})" for n, (sku, what) in enumerate(TOKEN_KINDS))
+    return f"""
+SELECT (s.units * {price})::text, (s.units * {price})::text, (s.units * {price})::text,
+       (s.units * {price})::text, {_text(settings.currency)}, s.tenant_id, s.tenant,
+       {_iso_text(month)}, {_iso_text(f"{month} + interval '1 month'")},
+       {_utc_text("s.period_start")}, {_utc_text("s.period_end")}, 'Usage', NULL,
+       s.model || ' ' || s.what || ' tokens', s.units::text, 'Cost Units', s.quantity, 'Tokens',
+       s.key_prefix, s.sku, s.model, 'AI and Machine Learning', {who}, {who}, {who}, {who},
+       s.id || '/' || s.sku, CASE WHEN s.closed THEN 'true' ELSE 'false' END
+FROM (
+    SELECT x.*, kind.n, kind.sku, kind.what,
+           CASE kind.n WHEN 0 THEN prompt_tokens - cached_tokens WHEN 1 THEN cached_tokens
+                ELSE output_tokens END AS quantity,
+           CASE kind.n WHEN 0 THEN {first} WHEN 1 THEN {second}
+                ELSE cost_units - ({first}) - ({second}) END AS units
+    FROM {{rows}} CROSS JOIN (VALUES {kinds}) AS kind (n, sku, what)
+) AS s"""
 
 
-async def _focus_rows(rows: AsyncIterator[ExportRow], settings: FocusSettings) -> AsyncIterator[tuple]:
-    for_price = settings.price_per_cost_unit
-    async for row in rows:
-        month_start, month_end = _month_bounds(row.period_start)
-        tokens = (row.prompt_tokens - row.cached_tokens, row.cached_tokens, row.output_tokens)
-        shares = split_cost(row, settings.weights)
-        for (sku, what), quantity, units in zip(TOKEN_KINDS, tokens, shares, strict=True):
-            cost = str(units * for_price)
-            yield (
-                cost,
-                cost,
-                cost,
-                cost,
-                settings.currency,
-                row.tenant_id,
-                row.tenant,
-                _moment(month_start),
-                _moment(month_end),
-                _moment(row.period_start),
-                _moment(row.period_end),
-                "Usage",
-                "",
-                f"{row.model} {what} tokens",
-                str(units),
-                "Cost Units",
-                quantity,
-                "Tokens",
-                row.key_prefix,
-                sku,
-                row.model,
-                "AI and Machine Learning",
-                settings.provider,
-                settings.provider,
-                settings.provider,
-                settings.provider,
-                f"{row.id}/{sku}",
-                "true" if row.closed else "false",
-            )
-
-
-def focus_chunks(rows: AsyncIterator[ExportRow], settings: FocusSettings) -> AsyncIterator[str]:
+async def focus_chunks(rows: Export, settings: FocusSettings) -> AsyncIterator[str]:
     """The export as FOCUS 1.2 CSV: three charge rows per export row, one per token kind."""
-    return _csv(FOCUS_COLUMNS, _focus_rows(rows, settings))
+    yield ",".join(FOCUS_COLUMNS) + "\n"
+    async for chunk in rows.copy(_focus_query(settings), then_by="n"):
+        yield chunk
