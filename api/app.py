@@ -13,6 +13,7 @@ from api.openapi import openapi_json
 from api.routes import ROUTES
 from api.runtime import Runtime
 from api.settings import Settings
+from dashboard import DashboardSources, dashboard_router, template_config
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -28,8 +29,15 @@ def create_app(settings: Settings) -> Litestar:
         finally:
             await runtime.stop()
 
+    dashboard = DashboardSources(
+        database=lambda: runtime.db if runtime.ready else None,
+        engine_stats=lambda: runtime.engine.stats() if runtime.ready else None,
+        model_name=lambda: runtime.model_name,
+        admin_token=settings.admin_token,
+    )
     return Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json, dashboard_router(dashboard)],
+        template_config=template_config(),
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
