@@ -3,7 +3,26 @@ week of synthetic usage for a few tenants, so that the dashboard has something t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
 DEMO_TENANT = "demo"
+
+
+def _open_database() -> AsyncEngine:
+    """An engine on the configured database, migrated to head; a one-line exit when it cannot be had."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tenants.db import DatabaseError, create_engine, database_url, upgrade_to_head
+
+    try:
+        url = database_url()
+        upgrade_to_head(url)
+        return create_engine(url)
+    except (DatabaseError, SQLAlchemyError, OSError) as exc:
+        raise SystemExit(f"weir demo: error: database: {exc}") from None
 
 
 async def ensure_demo_tenant() -> int:
@@ -11,14 +30,8 @@ async def ensure_demo_tenant() -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from tenants.admin import create_key, create_tenant, list_tenants
-    from tenants.db import DatabaseError, create_engine, database_url, upgrade_to_head
 
-    try:
-        url = database_url()
-        upgrade_to_head(url)
-        db = create_engine(url)
-    except (DatabaseError, SQLAlchemyError, OSError) as exc:
-        raise SystemExit(f"weir demo: error: database: {exc}") from None
+    db = _open_database()
     try:
         existing = await list_tenants(db)
         if existing:
@@ -43,18 +56,12 @@ async def seed_traffic(days: int, requests: int) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from tenants.db import DatabaseError, create_engine, database_url, upgrade_to_head
     from tenants.records import TenantsError
     from tenants.traffic import DEMO_TENANTS, fill
 
     if days < 1 or requests < 1:
         raise SystemExit("weir demo: error: --days and --requests must be positive")
-    try:
-        url = database_url()
-        upgrade_to_head(url)
-        db = create_engine(url)
-    except (DatabaseError, SQLAlchemyError, OSError) as exc:
-        raise SystemExit(f"weir demo: error: database: {exc}") from None
+    db = _open_database()
     until = datetime.now(UTC)
     try:
         usage, refusals = await fill(db, DEMO_TENANTS, until - timedelta(days=days), until, requests)

@@ -39,19 +39,6 @@ EXPORT_TARGET_ROWS_PER_S = 100_000.0
 ADMIN_TOKEN = "bench-admin-token-" + uuid.uuid4().hex
 
 
-async def _admin(server_url: str, statement: str) -> None:
-    import asyncpg
-    from sqlalchemy.engine import make_url
-
-    conn = await asyncpg.connect(
-        make_url(server_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    )
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -184,21 +171,14 @@ async def _run(url: str, args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tenants.db import database_url, upgrade_to_head, with_database
+    from bench.scratch_db import scratch_database
 
     if args.rows < 1 or args.days < 1 or args.tenants < 1 or args.repeat < 1:
         raise SystemExit(
             "weir bench dashboard: error: --rows, --days, --tenants and --repeat must be positive"
         )
-    server_url = database_url()
-    name = f"weir_bench_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(server_url, f'CREATE DATABASE "{name}"'))
-    try:
-        url = with_database(server_url, name)
-        upgrade_to_head(url)
+    with scratch_database() as url:
         result = asyncio.run(_run(url, args))
-    finally:
-        asyncio.run(_admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     print(
         f"admin dashboard on {result['ledger_rows']:,} ledger rows over {args.days} days, {args.tenants} "
         f"tenants; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
