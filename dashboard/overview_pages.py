@@ -9,11 +9,10 @@ from typing import Any
 from urllib.parse import urlencode
 
 from litestar import Request, get
-from litestar.params import Parameter
 from litestar.response import Template
 
 from dashboard.access import PREFIX, Dashboard, Refused
-from dashboard.ranges import select_range
+from dashboard.ranges import Range
 from tenants.admin import get_tenant, list_tenants
 from tenants.reporting import LedgerFilter, TenantFigures, ledger_entry, ledger_page, overview, tenant_table
 
@@ -61,12 +60,9 @@ SORTS: dict[str, Callable[[TenantFigures], Any]] = {
 async def overview_page(
     request: Request,
     dash: Dashboard,
-    span: str | None = Parameter(query="range", default=None),
-    since: str | None = None,
-    until: str | None = None,
+    selected: Range,
 ) -> Template:
     session = dash.admin(request)
-    selected = select_range(span, since, until)
     db = dash.sources.db()
     figures, tenants = await asyncio.gather(overview(db, selected.window), list_tenants(db))
     targets = {
@@ -88,14 +84,11 @@ async def overview_page(
 async def tenants_page(
     request: Request,
     dash: Dashboard,
-    span: str | None = Parameter(query="range", default=None),
-    since: str | None = None,
-    until: str | None = None,
+    selected: Range,
     sort: str = "name",
     order: str | None = None,
 ) -> Template:
     session = dash.admin(request)
-    selected = select_range(span, since, until)
     if sort not in SORTS:
         raise Refused(400, f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
     if order not in (None, "asc", "desc"):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from urllib.parse import urlencode
 
+from litestar.params import QueryParameter
+
 from tenants.reporting import Step, Window
 
 SPANS = {
@@ -82,3 +84,12 @@ def select_range(
     if end <= start:
         raise BadRange(f"until ({_iso(end)}) must be after since ({_iso(start)})")
     return Range("custom", Window(start, end))
+
+
+def range_from_query(
+    span: str | None = QueryParameter(name="range", default=None),
+    since: str | None = None,
+    until: str | None = None,
+) -> Range:
+    """The pages' ``selected`` dependency: the range their query selects."""
+    return select_range(span, since, until)

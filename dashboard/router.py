@@ -16,7 +16,7 @@ from litestar.template.config import TemplateConfig
 from dashboard import downloads, overview_pages, tenant_page
 from dashboard.access import Dashboard, Refused, SignInRequired, sign_in_url
 from dashboard.formatting import FILTERS
-from dashboard.ranges import BadRange
+from dashboard.ranges import BadRange, range_from_query
 from dashboard.signin import login, login_form, logout
 from dashboard.sources import DashboardSources, Unavailable
 from tenants.records import Conflict, InvalidValue, NotFound
@@ -86,7 +86,10 @@ def dashboard_router(sources: DashboardSources) -> Router:
             *tenant_page.ROUTES,
             *downloads.ROUTES,
         ],
-        dependencies={"dash": Provide(lambda: dash, sync_to_thread=False)},
+        dependencies={
+            "dash": Provide(lambda: dash, sync_to_thread=False),
+            "selected": Provide(range_from_query, sync_to_thread=False),
+        },
         exception_handlers={
             Refused: refused,
             SignInRequired: sign_in_first,

@@ -7,7 +7,7 @@ import logging
 import math
 
 from litestar import Request, Response, get, post
-from litestar.params import Parameter
+from litestar.params import QueryParameter
 from litestar.response import Redirect, Template
 
 from dashboard.access import PREFIX, Dashboard, Refused, session_cookie
@@ -47,7 +47,7 @@ def _form(
 
 @get(f"{PREFIX}/login")
 async def login_form(
-    request: Request, dash: Dashboard, next_path: str | None = Parameter(query="next", default=None)
+    request: Request, dash: Dashboard, next_path: str | None = QueryParameter(name="next", default=None)
 ) -> Response:
     session = dash.session_of(request)
     if session is not None and session.signed_in:

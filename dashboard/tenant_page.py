@@ -7,7 +7,6 @@ import logging
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.params import Parameter
 from litestar.response import Redirect, Template
 
 from dashboard.access import PREFIX, Dashboard, Refused
@@ -105,10 +104,12 @@ async def _tenant_page(
     request: Request,
     session: Session,
     name: str,
-    selected: Range,
+    selected: Range | None = None,
     status: int = 200,
     **extra: Any,
 ) -> Template:
+    """The tenant's page over ``selected`` (default: the default range)."""
+    selected = selected or select_range(None, None, None)
     db = dash.sources.db()
     tenant = await get_tenant(db, name)
     figures, points, keys = await asyncio.gather(
@@ -136,12 +137,10 @@ async def tenant_detail(
     request: Request,
     dash: Dashboard,
     name: str,
-    span: str | None = Parameter(query="range", default=None),
-    since: str | None = None,
-    until: str | None = None,
+    selected: Range,
 ) -> Template:
     session = dash.admin(request)
-    return await _tenant_page(dash, request, session, name, select_range(span, since, until))
+    return await _tenant_page(dash, request, session, name, selected)
 
 
 @post(f"{PREFIX}/tenants/{{name:str}}/keys", status_code=201)
@@ -151,16 +150,7 @@ async def create_tenant_key(request: Request, dash: Dashboard, name: str) -> Tem
     await dash.form(request, session)
     key, secret = await create_key(dash.sources.db(), name)
     log.info("admin created key %s (%s) for tenant %s", key.id, key.prefix, name)
-    return await _tenant_page(
-        dash,
-        request,
-        session,
-        name,
-        select_range(None, None, None),
-        status=201,
-        new_secret=secret,
-        new_key=key,
-    )
+    return await _tenant_page(dash, request, session, name, status=201, new_secret=secret, new_key=key)
 
 
 @post(f"{PREFIX}/tenants/{{name:str}}/keys/{{key_id:int}}/revoke")
@@ -184,14 +174,7 @@ async def save_settings(request: Request, dash: Dashboard, name: str) -> Templat
     except InvalidValue as exc:
         values = {field: fields.get(field, "") for field in SETTINGS}
         return await _tenant_page(
-            dash,
-            request,
-            session,
-            name,
-            select_range(None, None, None),
-            400,
-            values=values,
-            settings_error=str(exc),
+            dash, request, session, name, status=400, values=values, settings_error=str(exc)
         )
     log.info("admin changed the settings of tenant %s", tenant.name)
     return Redirect(f"{PREFIX}/tenants/{tenant.name}", status_code=303)

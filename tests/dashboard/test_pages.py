@@ -130,6 +130,7 @@ def test_create_a_key_then_revoke_it(admin_page: Page, dashboard_server: ApiServ
     admin_page.click("text=Create a key")
     secret = admin_page.inner_text("[data-new-secret]").strip()
     assert secret.startswith("wk-")
+    screenshot(admin_page, "tenant-new-key")
     assert _models_status(dashboard_server, secret) == 200
     prefix = secret[:10]
     row = admin_page.locator("tr[data-key]", has_text=prefix)
@@ -140,6 +141,8 @@ def test_create_a_key_then_revoke_it(admin_page: Page, dashboard_server: ApiServ
         admin_page.locator("tr[data-key]", has_text=prefix).locator("[data-col=revoked]").inner_text() != "—"
     )
     assert admin_page.locator("tr[data-key]", has_text=prefix).locator("text=Revoke").count() == 0
+    admin_page.locator("table[data-table=keys]").scroll_into_view_if_needed()
+    screenshot(admin_page, "tenant-keys-settings")
     wait_until(lambda: _models_status(dashboard_server, secret) == 401, 15.0, "the revoked key's 401")
     assert _models_status(dashboard_server, traffic.secrets["acme"]) == 200  # the tenant's other key works
 
