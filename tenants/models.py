@@ -7,7 +7,6 @@ A NULL quota limit means unlimited.
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY
 
 metadata = sa.MetaData()
 
@@ -118,8 +117,8 @@ shed_events = sa.Table(
     sa.Index("shed_events_at", "at"),
 )
 
-# Rollups (tenants/rollups.py): one row per granularity ("hour" | "day"), UTC period, tenant, key and model;
-# latency histograms count requests per fixed bucket (LATENCY_BUCKETS there).
+# Rollups (tenants/rollups.py): usage per granularity ("hour" | "day"), UTC period, tenant, key and model;
+# refusals per tenant and reason; latency histograms per tenant, metric ("ttft" | "tpot") and fixed bucket.
 usage_rollups = sa.Table(
     "usage_rollups",
     metadata,
@@ -134,8 +133,6 @@ usage_rollups = sa.Table(
     sa.Column("output_tokens", sa.BigInteger, nullable=False),
     sa.Column("cost", sa.Numeric, nullable=False),
     sa.Column("slo_met", sa.BigInteger, nullable=False),
-    sa.Column("ttft_histogram", ARRAY(sa.Integer), nullable=False),
-    sa.Column("tpot_histogram", ARRAY(sa.Integer), nullable=False),
     sa.Index("usage_rollups_period", "granularity", "period_start"),
 )
 
@@ -148,6 +145,18 @@ shed_rollups = sa.Table(
     sa.Column("reason", sa.Text, primary_key=True),
     sa.Column("refusals", sa.BigInteger, nullable=False),
     sa.Index("shed_rollups_period", "granularity", "period_start"),
+)
+
+latency_rollups = sa.Table(
+    "latency_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.BigInteger, primary_key=True),
+    sa.Column("period_start", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("metric", sa.Text, primary_key=True),
+    sa.Column("bucket", sa.SmallInteger, primary_key=True),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Index("latency_rollups_period", "granularity", "period_start"),
 )
 
 # Hours whose rollups are stale: inserted by triggers on both ledgers, consumed by refresh_rollups.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tenants.models import (
     SHED_REASONS,
     api_keys,
+    latency_rollups,
     quota_state,
     quotas,
     shed_events,
@@ -29,7 +31,16 @@ from tenants.models import (
     usage_rollups,
 )
 from tenants.records import InvalidValue
-from tenants.rollups import DAY, HOUR, SLO_MET_SQL, ceil_to, floor_to, percentile, refresh_rollups
+from tenants.rollups import (
+    DAY,
+    HOUR,
+    LATENCY_BUCKETS,
+    SLO_MET_SQL,
+    ceil_to,
+    floor_to,
+    percentile,
+    refresh_rollups,
+)
 
 Step = Literal["hour", "day"]
 MAX_PAGE = 500
@@ -200,82 +211,103 @@ def _group_key(group: Group, tenant: sa.ColumnElement, moment: sa.ColumnElement)
     return [sa.func.date_trunc(group, moment, "UTC")]
 
 
-def _keyed(key: list[sa.ColumnElement]) -> list[sa.ColumnElement]:
-    return [*(column.label("k") for column in key)] or [sa.literal_column("0").label("k")]
+@dataclass(frozen=True)
+class _Source:
+    """One table read for a figure: its columns (aggregates, then plain ones to group by too), the
+    tenant and time columns that filter and group it, and a fixed condition."""
 
+    table: sa.FromClause
+    columns: tuple[sa.ColumnElement, ...]
+    tenant: sa.ColumnElement
+    moment: sa.ColumnElement
+    condition: tuple[sa.ColumnElement[bool], ...] = ()
+    group_also: tuple[sa.ColumnElement, ...] = ()
+    constants: tuple[sa.ColumnElement, ...] = ()  # selected before group_also, not grouped
 
-def _usage_sources(plan: _Plan, group: Group, tenant_id: int | None) -> list[sa.Select]:
-    e, r = usage_events.alias("e"), usage_rollups
-    t = tenants.alias("t")
-    sources = []
-    if plan.raw:
-        key = _group_key(group, e.c.tenant_id, e.c.finished_at)
+    def select(self, windows: list[Window], group: Group, tenant_id: int | None) -> sa.Select:
+        key = _group_key(group, self.tenant, self.moment)
+        keyed = [column.label("k") for column in key] or [sa.literal_column("0").label("k")]
         query = (
-            sa.select(
-                *_keyed(key),
-                sa.func.count().label("requests"),
-                sa.func.sum(e.c.prompt_tokens).label("prompt_tokens"),
-                sa.func.sum(e.c.cached_tokens).label("cached_tokens"),
-                sa.func.sum(e.c.output_tokens).label("output_tokens"),
-                sa.func.sum(e.c.cost).label("cost"),
-                sa.func.count().filter(sa.text(SLO_MET_SQL)).label("slo_met"),
-                sa.func.weir_histogram(e.c.ttft_s).label("ttft"),
-                sa.func.weir_histogram(e.c.tpot_s).label("tpot"),
-            )
-            .select_from(e.outerjoin(t, t.c.id == e.c.tenant_id))
-            .where(_within(e.c.finished_at, plan.raw))
-            .group_by(*key)
+            sa.select(*keyed, *self.constants, *self.group_also, *self.columns)
+            .select_from(self.table)
+            .where(_within(self.moment, windows), *self.condition)
+            .group_by(*key, *self.group_also)
         )
-        sources.append(query if tenant_id is None else query.where(e.c.tenant_id == tenant_id))
-    for granularity, windows in (("hour", plan.hours), ("day", plan.days)):
-        if not windows:
-            continue
-        key = _group_key(group, r.c.tenant_id, r.c.period_start)
-        query = (
-            sa.select(
-                *_keyed(key),
-                *(
-                    sa.func.sum(r.c[name]).label(name)
-                    for name in (
-                        "requests",
-                        "prompt_tokens",
-                        "cached_tokens",
-                        "output_tokens",
-                        "cost",
-                        "slo_met",
-                    )
-                ),
-                sa.func.weir_histogram_sum(r.c.ttft_histogram).label("ttft"),
-                sa.func.weir_histogram_sum(r.c.tpot_histogram).label("tpot"),
-            )
-            .where(r.c.granularity == granularity, _within(r.c.period_start, windows))
-            .group_by(*key)
-        )
-        sources.append(query if tenant_id is None else query.where(r.c.tenant_id == tenant_id))
-    return sources
+        return query if tenant_id is None else query.where(self.tenant == tenant_id)
 
 
-def _shed_sources(plan: _Plan, group: Group, tenant_id: int | None) -> list[sa.Select]:
-    s, r = shed_events, shed_rollups
-    sources = []
-    if plan.raw:
-        key = _group_key(group, s.c.tenant_id, s.c.at)
-        query = (
-            sa.select(*_keyed(key), s.c.reason, sa.func.count().label("n"))
-            .where(_within(s.c.at, plan.raw))
-            .group_by(*key, s.c.reason)
-        )
-        sources.append(query if tenant_id is None else query.where(s.c.tenant_id == tenant_id))
+def _union(
+    plan: _Plan, group: Group, tenant_id: int | None, raw: list[_Source], rollup: Callable[[str], _Source]
+) -> sa.Subquery:
+    """The raw sources over the plan's raw parts and the rollup's hours and days, as one subquery."""
+    selects = [source.select(plan.raw, group, tenant_id) for source in raw if plan.raw]
     for granularity, windows in (("hour", plan.hours), ("day", plan.days)):
         if windows:
-            key = _group_key(group, r.c.tenant_id, r.c.period_start)
-            query = (
-                sa.select(*_keyed(key), r.c.reason, sa.func.sum(r.c.refusals).label("n"))
-                .where(r.c.granularity == granularity, _within(r.c.period_start, windows))
-                .group_by(*key, r.c.reason)
-            )
-            sources.append(query if tenant_id is None else query.where(r.c.tenant_id == tenant_id))
-    return sources
+            selects.append(rollup(granularity).select(windows, group, tenant_id))
+    return sa.union_all(*selects).subquery()
+
+
+_SUMMED = ("requests", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "slo_met")
+_e, _t = usage_events.alias("e"), tenants.alias("t")
+_RAW_USAGE = _Source(
+    _e.outerjoin(_t, _t.c.id == _e.c.tenant_id),
+    (
+        sa.func.count().label("requests"),
+        *(sa.func.sum(_e.c[name]).label(name) for name in _SUMMED[1:4]),
+        sa.func.sum(_e.c.cost).label("cost"),
+        sa.func.count().filter(sa.text(SLO_MET_SQL)).label("slo_met"),
+    ),
+    _e.c.tenant_id,
+    _e.c.finished_at,
+)
+_RAW_REFUSALS = _Source(
+    shed_events,
+    (sa.func.count().label("n"),),
+    shed_events.c.tenant_id,
+    shed_events.c.at,
+    group_also=(shed_events.c.reason,),
+)
+_RAW_LATENCIES = [
+    _Source(
+        _e,
+        (sa.func.count().label("n"),),
+        _e.c.tenant_id,
+        _e.c.finished_at,
+        condition=(_e.c[f"{metric}_s"].isnot(None),),
+        group_also=(sa.func.weir_latency_bucket(_e.c[f"{metric}_s"]).label("bucket"),),
+        constants=(sa.literal_column(f"'{metric}'").label("metric"),),
+    )
+    for metric in ("ttft", "tpot")
+]
+
+
+def _rolled_up(
+    table: sa.Table, columns: tuple[sa.ColumnElement, ...], group_also: tuple = ()
+) -> Callable[[str], _Source]:
+    """The source of a rollup table at one granularity."""
+
+    def source(granularity: str) -> _Source:
+        return _Source(
+            table,
+            columns,
+            table.c.tenant_id,
+            table.c.period_start,
+            (table.c.granularity == granularity,),
+            group_also,
+        )
+
+    return source
+
+
+_ROLLED_USAGE = _rolled_up(usage_rollups, tuple(sa.func.sum(usage_rollups.c[n]).label(n) for n in _SUMMED))
+_ROLLED_REFUSALS = _rolled_up(
+    shed_rollups, (sa.func.sum(shed_rollups.c.refusals).label("n"),), (shed_rollups.c.reason,)
+)
+_ROLLED_LATENCIES = _rolled_up(
+    latency_rollups,
+    (sa.func.sum(latency_rollups.c.requests).label("n"),),
+    (latency_rollups.c.metric, latency_rollups.c.bucket),
+)
 
 
 async def _grouped(
@@ -284,25 +316,28 @@ async def _grouped(
     """Figures over ``window`` per group key (0 for "all", the tenant id, or the period's start); groups
     without requests or refusals are absent."""
     plan = _Plan.of(window, use_days=group != "hour")
-    usage = sa.union_all(*_usage_sources(plan, group, tenant_id)).subquery()
+    usage = _union(plan, group, tenant_id, [_RAW_USAGE], _ROLLED_USAGE)
     totals = sa.select(
-        usage.c.k,
-        *(
-            sa.func.coalesce(sa.func.sum(usage.c[name]), 0).label(name)
-            for name in ("requests", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "slo_met")
-        ),
-        sa.func.weir_histogram_sum(usage.c.ttft).label("ttft"),
-        sa.func.weir_histogram_sum(usage.c.tpot).label("tpot"),
+        usage.c.k, *(sa.func.coalesce(sa.func.sum(usage.c[name]), 0).label(name) for name in _SUMMED)
     ).group_by(usage.c.k)
-    shed = sa.union_all(*_shed_sources(plan, group, tenant_id)).subquery()
+    shed = _union(plan, group, tenant_id, [_RAW_REFUSALS], _ROLLED_REFUSALS)
     refused = sa.select(shed.c.k, shed.c.reason, sa.func.sum(shed.c.n)).group_by(shed.c.k, shed.c.reason)
+    latency = _union(plan, group, tenant_id, _RAW_LATENCIES, _ROLLED_LATENCIES)
+    buckets = sa.select(latency.c.k, latency.c.metric, latency.c.bucket, sa.func.sum(latency.c.n)).group_by(
+        latency.c.k, latency.c.metric, latency.c.bucket
+    )
     refusals: dict[object, dict[str, int]] = {}
     for key, reason, count in (await conn.execute(refused)).all():
         refusals.setdefault(key, _no_refusals())[reason] = int(count)
+    histograms: dict[tuple[object, str], list[int]] = {}
+    for key, metric, bucket, count in (await conn.execute(buckets)).all():
+        histograms.setdefault((key, metric), [0] * LATENCY_BUCKETS)[bucket] = int(count)
     figures = {}
+    empty = [0] * LATENCY_BUCKETS
     for row in (await conn.execute(totals)).all():
         if not row.requests:
             continue
+        ttft, tpot = histograms.get((row.k, "ttft"), empty), histograms.get((row.k, "tpot"), empty)
         figures[row.k] = UsageFigures(
             requests=int(row.requests),
             prompt_tokens=int(row.prompt_tokens),
@@ -310,15 +345,22 @@ async def _grouped(
             output_tokens=int(row.output_tokens),
             cost_units=Decimal(row.cost),
             slo_met=int(row.slo_met),
-            ttft_p50=percentile(row.ttft, 0.5),
-            ttft_p99=percentile(row.ttft, 0.99),
-            tpot_p50=percentile(row.tpot, 0.5),
-            tpot_p99=percentile(row.tpot, 0.99),
+            ttft_p50=percentile(ttft, 0.5),
+            ttft_p99=percentile(ttft, 0.99),
+            tpot_p50=percentile(tpot, 0.5),
+            tpot_p99=percentile(tpot, 0.99),
             refusals=refusals.pop(row.k, _no_refusals()),
         )
     for key, counts in refusals.items():
         figures[key] = UsageFigures(refusals=counts)
     return figures
+
+
+async def _costs(conn: AsyncConnection, window: Window) -> dict[int, Decimal]:
+    """Cost units per tenant over ``window`` (tenants without usage are absent)."""
+    usage = _union(_Plan.of(window), "tenant", None, [_RAW_USAGE], _ROLLED_USAGE)
+    query = sa.select(usage.c.k, sa.func.sum(usage.c.cost)).group_by(usage.c.k)
+    return {tenant: Decimal(cost) for tenant, cost in (await conn.execute(query)).all()}
 
 
 async def overview(db: AsyncEngine, window: Window, tenant_id: int | None = None) -> UsageFigures:
@@ -344,8 +386,8 @@ async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
     async with db.connect() as conn:
         rows = (await conn.execute(query)).all()
         figures = await _grouped(conn, window, "tenant")
-        last_minute = await _grouped(conn, Window(now - timedelta(minutes=1), now), "tenant")
-        month = await _grouped(conn, Window(_month_start(now), now), "tenant")
+        last_minute = await _costs(conn, Window(now - timedelta(minutes=1), now))
+        month = await _costs(conn, Window(_month_start(now), now))
     nothing = UsageFigures()
     return [
         TenantFigures(
@@ -357,11 +399,11 @@ async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
             tpot_target_s=row.tpot_target_s,
             figures=figures.get(row.id, nothing),
             cost_per_minute=row.cost_per_minute,
-            cost_last_minute=last_minute.get(row.id, nothing).cost_units,
+            cost_last_minute=last_minute.get(row.id, Decimal(0)),
             max_concurrency=row.max_concurrency,
             slots_held=row.in_flight or 0,
             monthly_budget=row.monthly_budget,
-            spent_this_month=month.get(row.id, nothing).cost_units,
+            spent_this_month=month.get(row.id, Decimal(0)),
         )
         for row in rows
     ]

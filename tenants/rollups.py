@@ -7,9 +7,10 @@ all in one transaction. Recomputing replaces the period's rows, so it is idempot
 twice, or an event replayed from a spill file days later (it marks its own hour), gives the same rows as
 if every event had arrived on time. Refreshes are serialized by an advisory lock.
 
-Latency histograms have :data:`LATENCY_BUCKETS` fixed buckets (PostgreSQL array index 1-based, Python
-0-based): the first counts values below 1 ms, the last values of ``2**18`` ms (262 s) and more, and each
-one between covers ``[1 ms * 2**(i/4), 1 ms * 2**((i+1)/4))``, a quarter of an octave. A percentile is
+Latency histograms (``latency_rollups``: per period, tenant, metric and bucket, the requests in the bucket)
+have :data:`LATENCY_BUCKETS` fixed buckets, numbered from 0 (SQL: ``weir_latency_bucket``): the first counts
+values below 1 ms, the last (73) values of ``2**18`` ms (262 s) and more, and bucket ``i`` between
+covers ``[1 ms * 2**((i-1)/4), 1 ms * 2**(i/4))``, a quarter of an octave. A percentile is
 read as the geometric middle of the bucket that holds it (nearest rank), within a factor ``2**(1/8)``
 (+-9%) of the exact value between 1 ms and 262 s.
 """
@@ -31,17 +32,28 @@ DAY = timedelta(days=1)
 # within the TTFT target and, when it produced more than one token, a mean TPOT within the TPOT target.
 SLO_MET_SQL = "e.ttft_s <= t.ttft_target_s AND (e.tpot_s IS NULL OR e.tpot_s <= t.tpot_target_s)"
 
+# A request's two latencies as (metric, seconds) rows (raw row ``e``); the histograms count non-NULL ones.
+LATENCIES_SQL = "VALUES ('ttft', e.ttft_s), ('tpot', e.tpot_s)"
+
 _HOURS_SQL = [
     "DELETE FROM usage_rollups WHERE granularity = 'hour' AND period_start = ANY(:periods)",
     f"""
 INSERT INTO usage_rollups
 SELECT 'hour', h.start, e.tenant_id, e.key_id, e.model, count(*), sum(e.prompt_tokens),
-       sum(e.cached_tokens), sum(e.output_tokens), sum(e.cost), count(*) FILTER (WHERE {SLO_MET_SQL}),
-       weir_histogram(e.ttft_s), weir_histogram(e.tpot_s)
+       sum(e.cached_tokens), sum(e.output_tokens), sum(e.cost), count(*) FILTER (WHERE {SLO_MET_SQL})
 FROM unnest(CAST(:periods AS timestamptz[])) AS h(start)
 JOIN usage_events AS e ON e.finished_at >= h.start AND e.finished_at < h.start + interval '1 hour'
 LEFT JOIN tenants AS t ON t.id = e.tenant_id
 GROUP BY h.start, e.tenant_id, e.key_id, e.model""",
+    "DELETE FROM latency_rollups WHERE granularity = 'hour' AND period_start = ANY(:periods)",
+    f"""
+INSERT INTO latency_rollups
+SELECT 'hour', h.start, e.tenant_id, m.metric, weir_latency_bucket(m.seconds), count(*)
+FROM unnest(CAST(:periods AS timestamptz[])) AS h(start)
+JOIN usage_events AS e ON e.finished_at >= h.start AND e.finished_at < h.start + interval '1 hour'
+CROSS JOIN LATERAL ({LATENCIES_SQL}) AS m(metric, seconds)
+WHERE m.seconds IS NOT NULL
+GROUP BY 1, 2, 3, 4, 5""",
     "DELETE FROM shed_rollups WHERE granularity = 'hour' AND period_start = ANY(:periods)",
     """
 INSERT INTO shed_rollups
@@ -56,12 +68,19 @@ _DAYS_SQL = [
     """
 INSERT INTO usage_rollups
 SELECT 'day', d.start, r.tenant_id, r.key_id, r.model, sum(r.requests), sum(r.prompt_tokens),
-       sum(r.cached_tokens), sum(r.output_tokens), sum(r.cost), sum(r.slo_met),
-       weir_histogram_sum(r.ttft_histogram), weir_histogram_sum(r.tpot_histogram)
+       sum(r.cached_tokens), sum(r.output_tokens), sum(r.cost), sum(r.slo_met)
 FROM unnest(CAST(:periods AS timestamptz[])) AS d(start)
 JOIN usage_rollups AS r ON r.granularity = 'hour' AND r.period_start >= d.start
      AND r.period_start < d.start + interval '24 hours'
 GROUP BY d.start, r.tenant_id, r.key_id, r.model""",
+    "DELETE FROM latency_rollups WHERE granularity = 'day' AND period_start = ANY(:periods)",
+    """
+INSERT INTO latency_rollups
+SELECT 'day', d.start, r.tenant_id, r.metric, r.bucket, sum(r.requests)
+FROM unnest(CAST(:periods AS timestamptz[])) AS d(start)
+JOIN latency_rollups AS r ON r.granularity = 'hour' AND r.period_start >= d.start
+     AND r.period_start < d.start + interval '24 hours'
+GROUP BY 1, 2, 3, 4, 5""",
     "DELETE FROM shed_rollups WHERE granularity = 'day' AND period_start = ANY(:periods)",
     """
 INSERT INTO shed_rollups
@@ -96,7 +115,7 @@ async def refresh_rollups(db: AsyncEngine) -> int:
 
 
 def latency_bucket(seconds: float) -> int:
-    """The 0-based histogram bucket of a latency (the SQL function ``weir_latency_bucket`` minus one)."""
+    """The histogram bucket of a latency (as the SQL function ``weir_latency_bucket`` computes it)."""
     if seconds < 0.001:
         return 0
     return min(LATENCY_BUCKETS - 1, 1 + math.floor(4 * math.log(seconds / 0.001) / math.log(2)))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.admin import create_key, create_tenant
@@ -218,4 +219,9 @@ async def fill(
         written += len(usage)
         refused += len(shed)
     await refresh_rollups(db)
+    async with db.connect() as conn:  # a bulk load: give the planner the new tables' statistics now
+        await conn.execute(
+            sa.text("ANALYZE usage_events, shed_events, usage_rollups, shed_rollups, latency_rollups")
+        )
+        await conn.commit()
     return written, refused

@@ -1,7 +1,7 @@
-"""Hourly and daily rollups of the ledger and the refusals per tenant, key and model, with fixed-bucket
-latency histograms; inserts into the ledgers mark their hours for ``tenants.rollups.refresh_rollups``,
-which recomputes marked hours (and their days) from the raw rows. Every hour already in the ledgers is
-marked here, so the first refresh builds the rollups of existing data.
+"""Hourly and daily rollups: usage per tenant, key and model, refusals per tenant and reason, latency
+histograms (fixed buckets) per tenant. Inserts into the ledgers mark their hours for
+``tenants.rollups.refresh_rollups``, which recomputes marked hours (and their days) from the raw rows.
+Every hour already in the ledgers is marked here, so the first refresh builds the rollups of existing data.
 
 Revision ID: 0004
 Revises: 0003
@@ -21,42 +21,11 @@ BUCKETS = 74  # tenants/rollups.py: LATENCY_BUCKETS
 
 STATEMENTS = [
     f"""
-CREATE FUNCTION weir_latency_bucket(v double precision) RETURNS integer
+CREATE FUNCTION weir_latency_bucket(v double precision) RETURNS smallint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT CASE WHEN v < 0.001 THEN 1
-                ELSE least({BUCKETS}, 2 + floor(4 * ln(v / 0.001) / ln(2))::integer) END
+    SELECT CASE WHEN v < 0.001 THEN 0
+                ELSE least({BUCKETS - 1}, 1 + floor(4 * ln(v / 0.001) / ln(2))::integer) END::smallint
 $$""",
-    """
-CREATE FUNCTION weir_histogram_add(h integer[], v double precision) RETURNS integer[]
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
-DECLARE
-    b integer;
-BEGIN
-    IF v IS NOT NULL THEN
-        b := weir_latency_bucket(v);
-        h[b] := h[b] + 1;
-    END IF;
-    RETURN h;
-END
-$$""",
-    """
-CREATE FUNCTION weir_histogram_merge(a integer[], b integer[]) RETURNS integer[]
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
-BEGIN
-    FOR i IN 1 .. array_length(b, 1) LOOP
-        a[i] := a[i] + b[i];
-    END LOOP;
-    RETURN a;
-END
-$$""",
-    f"""
-CREATE AGGREGATE weir_histogram(double precision) (
-    SFUNC = weir_histogram_add, STYPE = integer[],
-    INITCOND = '{{{",".join(["0"] * BUCKETS)}}}', COMBINEFUNC = weir_histogram_merge, PARALLEL = SAFE)""",
-    f"""
-CREATE AGGREGATE weir_histogram_sum(integer[]) (
-    SFUNC = weir_histogram_merge, STYPE = integer[],
-    INITCOND = '{{{",".join(["0"] * BUCKETS)}}}', COMBINEFUNC = weir_histogram_merge, PARALLEL = SAFE)""",
     """
 CREATE TABLE usage_rollups (
     granularity text NOT NULL,
@@ -70,8 +39,6 @@ CREATE TABLE usage_rollups (
     output_tokens bigint NOT NULL,
     cost numeric NOT NULL,
     slo_met bigint NOT NULL,
-    ttft_histogram integer[] NOT NULL,
-    tpot_histogram integer[] NOT NULL,
     CONSTRAINT usage_rollups_granularity CHECK (granularity IN ('hour', 'day')),
     CONSTRAINT usage_rollups_unique UNIQUE NULLS NOT DISTINCT
         (granularity, tenant_id, period_start, key_id, model)
@@ -88,6 +55,18 @@ CREATE TABLE shed_rollups (
     CONSTRAINT shed_rollups_granularity CHECK (granularity IN ('hour', 'day'))
 )""",
     "CREATE INDEX shed_rollups_period ON shed_rollups (granularity, period_start)",
+    """
+CREATE TABLE latency_rollups (
+    granularity text NOT NULL,
+    period_start timestamptz NOT NULL,
+    tenant_id bigint NOT NULL,
+    metric text NOT NULL,
+    bucket smallint NOT NULL,
+    requests bigint NOT NULL,
+    PRIMARY KEY (granularity, tenant_id, period_start, metric, bucket),
+    CONSTRAINT latency_rollups_granularity CHECK (granularity IN ('hour', 'day'))
+)""",
+    "CREATE INDEX latency_rollups_period ON latency_rollups (granularity, period_start)",
     """
 CREATE TABLE rollup_marks (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -126,9 +105,5 @@ def downgrade() -> None:
     op.execute("DROP TRIGGER shed_events_mark_rollups ON shed_events")
     op.execute("DROP TRIGGER usage_events_mark_rollups ON usage_events")
     op.execute("DROP FUNCTION weir_mark_rollup_hours()")
-    op.execute("DROP TABLE rollup_marks, shed_rollups, usage_rollups")
-    op.execute("DROP AGGREGATE weir_histogram_sum(integer[])")
-    op.execute("DROP AGGREGATE weir_histogram(double precision)")
-    op.execute("DROP FUNCTION weir_histogram_merge(integer[], integer[])")
-    op.execute("DROP FUNCTION weir_histogram_add(integer[], double precision)")
+    op.execute("DROP TABLE rollup_marks, latency_rollups, shed_rollups, usage_rollups")
     op.execute("DROP FUNCTION weir_latency_bucket(double precision)")
