@@ -64,14 +64,20 @@ class Dashboard:
         return fields
 
     def page(
-        self, request: Request, session: Session, template: str, status: int = 200, **context: Any
+        self,
+        request: Request,
+        session: Session | None,
+        template: str,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        **context: Any,
     ) -> Template:
-        """A page of the signed-in dashboard with the layout's context (navigation, CSRF field)."""
+        """A dashboard page with the layout's context (navigation, CSRF field); never cached."""
         return Template(
             template_name=template,
             context={**self.layout_context(request, session), **context},
             status_code=status,
-            headers={"cache-control": "no-store"},
+            headers={"cache-control": "no-store", **(headers or {})},
         )
 
     def layout_context(self, request: Request, session: Session | None) -> dict[str, Any]:

@@ -41,16 +41,8 @@ def dashboard_router(sources: DashboardSources) -> Router:
     def error_page(
         request: Request, status: int, message: str, headers: dict[str, str] | None = None
     ) -> Template:
-        return Template(
-            template_name="error.html",
-            context={
-                **dash.layout_context(request, dash.session_of(request)),
-                "status": status,
-                "message": message,
-            },
-            status_code=status,
-            headers={"cache-control": "no-store", **(headers or {})},
-        )
+        session = dash.session_of(request)
+        return dash.page(request, session, "error.html", status, headers, status_code=status, message=message)
 
     def refused(request: Request, exc: Refused) -> Response:
         return error_page(request, exc.status, exc.message, exc.headers)

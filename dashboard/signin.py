@@ -8,10 +8,9 @@ import math
 
 from litestar import Request, Response, get, post
 from litestar.params import QueryParameter
-from litestar.response import Redirect, Template
+from litestar.response import Redirect
 
 from dashboard.access import PREFIX, Dashboard, Refused, session_cookie
-from dashboard.sessions import Session
 from tenants.keys import KEY_PREFIX
 
 log = logging.getLogger("weir.dashboard")
@@ -29,22 +28,6 @@ def _safe_next(next_path: str | None) -> str:
     return PREFIX
 
 
-def _form(
-    dash: Dashboard,
-    request: Request,
-    session: Session,
-    next_path: str,
-    error: str | None = None,
-    status: int = 200,
-) -> Template:
-    return Template(
-        template_name="login.html",
-        context={**dash.layout_context(request, session), "next": next_path, "error": error},
-        status_code=status,
-        headers={"cache-control": "no-store"},
-    )
-
-
 @get(f"{PREFIX}/login")
 async def login_form(
     request: Request, dash: Dashboard, next_path: str | None = QueryParameter(name="next", default=None)
@@ -53,7 +36,8 @@ async def login_form(
     if session is not None and session.signed_in:
         return Redirect(_safe_next(next_path), status_code=303)
     session = session or dash.sessions.new(signed_in=False)
-    return dash.with_cookie(_form(dash, request, session, _safe_next(next_path)), request, session)
+    form = dash.page(request, session, "login.html", next=_safe_next(next_path), error=None)
+    return dash.with_cookie(form, request, session)
 
 
 def _token_error(dash: Dashboard, token: str) -> str | None:
@@ -86,7 +70,7 @@ async def login(request: Request, dash: Dashboard) -> Response:
     if error is not None:
         dash.limiter.failed(address)
         log.warning("admin sign-in from %s failed: %s", address, error)
-        return _form(dash, request, session, next_path, error, status=401)
+        return dash.page(request, session, "login.html", 401, next=next_path, error=error)
     dash.sessions.drop(session.id)
     signed_in = dash.sessions.new(signed_in=True)
     log.info("admin signed in from %s", address)
