@@ -125,3 +125,17 @@ def test_sign_in_page_redirects_a_signed_in_admin(browser: Browser, dashboard_se
     page.goto(f"{dashboard_server.base_url}/admin/login?next=https://elsewhere.example/")
     assert page.url == f"{dashboard_server.base_url}/admin"
     context.close()
+
+
+def test_the_session_cookie_is_secure_over_https(dashboard_server: ApiServer) -> None:
+    """Behind a TLS-terminating proxy on this host (which says so in X-Forwarded-Proto) the cookie is
+    Secure; over plain HTTP it cannot be."""
+    with httpx.Client(base_url=dashboard_server.base_url, timeout=30) as client:
+        plain = client.get("/admin/login").headers["set-cookie"]
+        proxied = client.get("/admin/login", headers={"x-forwarded-proto": "https"}).headers["set-cookie"]
+    for cookie in (plain, proxied):
+        attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")}
+        assert {"httponly", "path", "samesite"} <= attributes
+        assert "samesite=strict" in cookie.lower()
+    assert "secure" not in plain.lower()
+    assert "; secure" in proxied.lower()
