@@ -1,12 +1,12 @@
 """Synthetic usage: a ledger of plausible traffic for trying the dashboard (``weir demo --traffic``) and for
 the dashboard benchmark (a million rows).
 
-Requests arrive with a daily rhythm (busy from 08:00 to 20:00 UTC, quieter at weekends) and are shared
-among tenants by their ``share``. Prompt and output lengths are log-normal, part of each prompt comes from
-the prefix cache, and latencies grow with load, so that busy hours miss targets more often. Refusals come
-with load too, for the reasons each tenant is exposed to. Costs use the default weights
-(1 : 0.1 : 2, engine/cost.py). Rows go in with COPY, a batch at a time; the rollups are refreshed at the
-end.
+Requests arrive with a daily rhythm (busy from 08:00 to 20:00 UTC, quieter at weekends), are shared among
+tenants by their ``share`` and are written in time order, as a live ledger is. Prompt and output lengths
+are log-normal, part of each prompt comes from the prefix cache, and latencies grow with load, so that
+busy hours miss targets more often. Refusals come with load too, for the reasons each tenant is exposed
+to. Costs use the default weights (1 : 0.1 : 2, engine/cost.py). Rows go in with COPY, a batch at a
+time; the rollups are refreshed at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.admin import create_key, create_tenant
 from tenants.records import Quotas
-from tenants.rollups import refresh_rollups
+from tenants.rollups import HOUR, floor_to, refresh_rollups
 
 _CACHED_WEIGHT = Decimal("0.1")
 _BATCH = 50_000
@@ -122,13 +122,26 @@ class _Made:
     spec: TrafficTenant
 
 
-def _moments(rng: random.Random, since: datetime, span_s: float) -> Iterator[tuple[datetime, float]]:
-    """Endless arrival times in the span, thinned to follow :func:`load`, with the load at each."""
-    while True:
-        moment = since + timedelta(seconds=rng.random() * span_s)
-        busy = load(moment)
-        if rng.random() < busy:
-            yield moment, busy
+def _arrivals(
+    rng: random.Random, since: datetime, until: datetime, requests: int
+) -> Iterator[tuple[datetime, float]]:
+    """``requests`` arrival times in time order, with the load at each: each hour (or part of one) gets
+    its share of the requests by :func:`load` at its middle, spread at random within it."""
+    spans, start = [], since
+    while start < until:
+        end = min(until, floor_to(start, HOUR) + HOUR)
+        spans.append((start, end, load(start + (end - start) / 2) * (end - start).total_seconds()))
+        start = end
+    total = sum(weight for _, _, weight in spans)
+    exact = [requests * weight / total for _, _, weight in spans]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(spans)), key=lambda i: counts[i] - exact[i])[: requests - sum(counts)]:
+        counts[i] += 1  # the largest remainders
+    for (start, end, _), count in zip(spans, counts, strict=True):
+        seconds = (end - start).total_seconds()
+        for offset in sorted(rng.random() * seconds for _ in range(count)):
+            moment = start + timedelta(seconds=offset)
+            yield moment, load(moment)
 
 
 def _request(rng: random.Random, made: _Made, model: str, moment: datetime, busy: float, n: int) -> tuple:
@@ -199,7 +212,7 @@ async def fill(
         keys = [(await create_key(db, tenant.id))[0].id for _ in range(spec.keys)]
         made.append(_Made(tenant.id, keys, spec))
     shares = [spec.share for spec in tenants]
-    arrivals = _moments(rng, since, (until - since).total_seconds())
+    arrivals = _arrivals(rng, since, until, requests)
     written = refused = 0
     while written < requests:
         usage, shed = [], []
