@@ -35,35 +35,47 @@ class Session:
 
 
 class SessionStore:
-    """Sessions by id, in memory, dropped after ``IDLE_TIMEOUT_S`` unused or ``LIFETIME_S`` in all."""
+    """Sessions by id, in memory, dropped after ``IDLE_TIMEOUT_S`` unused or ``LIFETIME_S`` in all.
+
+    Signed-in sessions and the anonymous ones of sign-in forms are kept apart, each to ``MAX_SESSIONS``
+    (least recently used dropped first), so that opening the sign-in form many times can never push an
+    admin's session out."""
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._signed_in: OrderedDict[str, Session] = OrderedDict()
+        self._anonymous: OrderedDict[str, Session] = OrderedDict()
+
+    def _kind(self, signed_in: bool) -> OrderedDict[str, Session]:
+        return self._signed_in if signed_in else self._anonymous
 
     def new(self, *, signed_in: bool) -> Session:
         now = self._clock()
         session = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), signed_in, now, now)
-        self._sessions[session.id] = session
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        sessions = self._kind(signed_in)
+        sessions[session.id] = session
+        while len(sessions) > MAX_SESSIONS:
+            sessions.popitem(last=False)
         return session
 
     def get(self, session_id: str | None) -> Session | None:
         """The live session with that id, its idle clock restarted; ``None`` if unknown or expired."""
-        session = self._sessions.get(session_id or "")
+        key = session_id or ""
+        session = self._signed_in.get(key) or self._anonymous.get(key)
         if session is None:
             return None
+        sessions = self._kind(session.signed_in)
         now = self._clock()
         if now - session.last_seen > IDLE_TIMEOUT_S or now - session.created > LIFETIME_S:
-            del self._sessions[session.id]
+            del sessions[key]
             return None
         session.last_seen = now
-        self._sessions.move_to_end(session.id)
+        sessions.move_to_end(key)
         return session
 
     def drop(self, session_id: str | None) -> None:
-        self._sessions.pop(session_id or "", None)
+        for sessions in (self._signed_in, self._anonymous):
+            sessions.pop(session_id or "", None)
 
 
 class SignInLimiter:

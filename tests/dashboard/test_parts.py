@@ -9,7 +9,7 @@ import pytest
 
 from dashboard.formatting import cost, seconds
 from dashboard.ranges import BadRange, select_range
-from dashboard.sessions import IDLE_TIMEOUT_S, LIFETIME_S, SessionStore, SignInLimiter
+from dashboard.sessions import IDLE_TIMEOUT_S, LIFETIME_S, MAX_SESSIONS, SessionStore, SignInLimiter
 from dashboard.tenant_page import parse_settings
 from tenants.records import InvalidValue
 
@@ -34,6 +34,16 @@ def test_sessions_expire_when_idle_and_at_their_lifetime() -> None:
     clock.now = 1000.0 + LIFETIME_S + 1
     assert store.get(busy.id) is None
     assert store.get(None) is None and store.get("unknown") is None
+
+
+def test_sign_in_forms_never_push_out_a_signed_in_session() -> None:
+    store = SessionStore()
+    admin = store.new(signed_in=True)
+    forms = [store.new(signed_in=False) for _ in range(MAX_SESSIONS + 5)]
+    assert store.get(admin.id) is admin
+    assert store.get(forms[0].id) is None and store.get(forms[-1].id) is forms[-1]
+    store.drop(admin.id)
+    assert store.get(admin.id) is None
 
 
 def test_csrf_tokens_compare_exactly() -> None:
