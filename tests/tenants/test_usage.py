@@ -248,7 +248,8 @@ async def test_bad_spilled_records_are_set_aside_and_the_good_ones_written(db_en
         b"[" * 100_000 + b"\n",
     ]
     torn = _line(_record(make_event(22)))[:-1]
-    good = [_line(_record(make_event(n))) for n in (1, 2, 3)] + [_line(shed)]
+    good = [_line(_record(make_event(n))) for n in (1, 2)] + [_line(shed)]
+    good.insert(2, _line(_record(make_event(3), cost=float(make_event(3).cost))))  # as files held it before
     lines = [good[0], *bad[:9], good[1], *bad[9:], good[2], good[3], torn]
     (spill / "usage-older-1.jsonl").write_bytes(b"".join(lines))
 
