@@ -16,6 +16,7 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, Decimal):  # exact cost units, without trailing zeros
+        return format(value.normalize(), "f")
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
     if isinstance(value, datetime):
