@@ -464,10 +464,18 @@ def _usage_export(args: argparse.Namespace) -> int:
             return 0
         partial = Path(f"{args.out}.part")  # the file appears whole or not at all
         try:
-            with partial.open("w", newline="", encoding="utf-8") as out:
+            out = partial.open("w", newline="", encoding="utf-8")
+        except OSError as exc:
+            raise _fail(command, f"--out: {exc}") from None
+        try:
+            with out:
                 async for chunk in chunks:
                     out.write(chunk)
             partial.replace(args.out)
+        except OSError as exc:
+            if isinstance(exc, ConnectionError | TimeoutError):
+                raise
+            raise _fail(command, f"--out: {exc}") from None
         finally:
             partial.unlink(missing_ok=True)
         return 0
