@@ -7,6 +7,7 @@ refusal to the moment it was refused. Costs are exact (``Decimal`` cost units).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from decimal import Decimal
 from typing import Literal
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.models import (
     SHED_REASONS,
@@ -310,11 +311,17 @@ _ROLLED_LATENCIES = _rolled_up(
 )
 
 
+async def _rows(db: AsyncEngine, query: sa.Select) -> list[sa.Row]:
+    """``query``'s rows, on a connection of its own (so that several queries run at once)."""
+    async with db.connect() as conn:
+        return list((await conn.execute(query)).all())
+
+
 async def _grouped(
-    conn: AsyncConnection, window: Window, group: Group, tenant_id: int | None = None
+    db: AsyncEngine, window: Window, group: Group, tenant_id: int | None = None
 ) -> dict[object, UsageFigures]:
     """Figures over ``window`` per group key (0 for "all", the tenant id, or the period's start); groups
-    without requests or refusals are absent."""
+    without requests or refusals are absent. The usage, refusal and latency queries run at once."""
     plan = _Plan.of(window, use_days=group != "hour")
     usage = _union(plan, group, tenant_id, [_RAW_USAGE], _ROLLED_USAGE)
     totals = sa.select(
@@ -326,15 +333,18 @@ async def _grouped(
     buckets = sa.select(latency.c.k, latency.c.metric, latency.c.bucket, sa.func.sum(latency.c.n)).group_by(
         latency.c.k, latency.c.metric, latency.c.bucket
     )
+    total_rows, refused_rows, bucket_rows = await asyncio.gather(
+        _rows(db, totals), _rows(db, refused), _rows(db, buckets)
+    )
     refusals: dict[object, dict[str, int]] = {}
-    for key, reason, count in (await conn.execute(refused)).all():
+    for key, reason, count in refused_rows:
         refusals.setdefault(key, _no_refusals())[reason] = int(count)
     histograms: dict[tuple[object, str], list[int]] = {}
-    for key, metric, bucket, count in (await conn.execute(buckets)).all():
+    for key, metric, bucket, count in bucket_rows:
         histograms.setdefault((key, metric), [0] * LATENCY_BUCKETS)[bucket] = int(count)
     figures = {}
     empty = [0] * LATENCY_BUCKETS
-    for row in (await conn.execute(totals)).all():
+    for row in total_rows:
         if not row.requests:
             continue
         ttft, tpot = histograms.get((row.k, "ttft"), empty), histograms.get((row.k, "tpot"), empty)
@@ -356,18 +366,17 @@ async def _grouped(
     return figures
 
 
-async def _costs(conn: AsyncConnection, window: Window) -> dict[int, Decimal]:
+async def _costs(db: AsyncEngine, window: Window) -> dict[int, Decimal]:
     """Cost units per tenant over ``window`` (tenants without usage are absent)."""
     usage = _union(_Plan.of(window), "tenant", None, [_RAW_USAGE], _ROLLED_USAGE)
     query = sa.select(usage.c.k, sa.func.sum(usage.c.cost)).group_by(usage.c.k)
-    return {tenant: Decimal(cost) for tenant, cost in (await conn.execute(query)).all()}
+    return {tenant: Decimal(cost) for tenant, cost in await _rows(db, query)}
 
 
 async def overview(db: AsyncEngine, window: Window, tenant_id: int | None = None) -> UsageFigures:
     """Usage, latency and refusals over ``window``, of one tenant or all."""
     await refresh_rollups(db)
-    async with db.connect() as conn:
-        return (await _grouped(conn, window, "all", tenant_id)).get(0, UsageFigures())
+    return (await _grouped(db, window, "all", tenant_id)).get(0, UsageFigures())
 
 
 def _month_start(now: datetime) -> datetime:
@@ -383,11 +392,12 @@ async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
         .select_from(tenants.outerjoin(quotas).outerjoin(quota_state))
         .order_by(tenants.c.name)
     )
-    async with db.connect() as conn:
-        rows = (await conn.execute(query)).all()
-        figures = await _grouped(conn, window, "tenant")
-        last_minute = await _costs(conn, Window(now - timedelta(minutes=1), now))
-        month = await _costs(conn, Window(_month_start(now), now))
+    rows, figures, last_minute, month = await asyncio.gather(
+        _rows(db, query),
+        _grouped(db, window, "tenant"),
+        _costs(db, Window(now - timedelta(minutes=1), now)),
+        _costs(db, Window(_month_start(now), now)),
+    )
     nothing = UsageFigures()
     return [
         TenantFigures(
@@ -415,8 +425,7 @@ async def tenant_series(db: AsyncEngine, tenant_id: int, window: Window, step: S
     if step not in ("hour", "day"):
         raise InvalidValue(f"step must be 'hour' or 'day', got {step!r}")
     await refresh_rollups(db)
-    async with db.connect() as conn:
-        figures = await _grouped(conn, window, step, tenant_id)
+    figures = await _grouped(db, window, step, tenant_id)
     size = HOUR if step == "hour" else DAY
     points, start = [], floor_to(window.since, size)
     while start < window.until:
