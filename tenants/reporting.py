@@ -2,7 +2,9 @@
 the ledger page by page, and each tenant's quota use.
 
 Windows are half-open UTC intervals ``[since, until)``; a request belongs to the moment it finished, a
-refusal to the moment it was refused. Costs are exact (``Decimal`` cost units).
+refusal to the moment it was refused. Costs are exact (``Decimal`` cost units). Every function refreshes
+the rollups first, then reads whole days and hours from them and only the partial hours at a window's
+ends from the raw ledger (docs/architecture.md, "Money, rollups and the figures the dashboard shows").
 """
 
 from __future__ import annotations
@@ -214,8 +216,9 @@ def _group_key(group: Group, tenant: sa.ColumnElement, moment: sa.ColumnElement)
 
 @dataclass(frozen=True)
 class _Source:
-    """One table read for a figure: its columns (aggregates, then plain ones to group by too), the
-    tenant and time columns that filter and group it, and a fixed condition."""
+    """One table read for a figure: its aggregate columns, the tenant and time columns that filter and
+    group it, a fixed condition, and plain columns to select and group by (``group_also``) or only to
+    select (``constants``)."""
 
     table: sa.FromClause
     columns: tuple[sa.ColumnElement, ...]
