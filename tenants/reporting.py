@@ -3,7 +3,7 @@ the ledger page by page, and each tenant's quota use.
 
 Windows are half-open UTC intervals ``[since, until)``; a request belongs to the moment it finished, a
 refusal to the moment it was refused. Costs are exact (``Decimal`` cost units). The figures refresh
-the rollups first, then reads whole days and hours from them and only the partial hours at a window's
+the rollups first, then read whole days and hours from them and only the partial hours at a window's
 ends from the raw ledger (docs/architecture.md, "Money, rollups and the figures the dashboard shows").
 """
 
