@@ -11,7 +11,8 @@ from api.errors import APIError
 from api.runtime import Runtime
 
 
-def _runtime_as_admin(request: Request) -> Runtime:
+def require_admin_token(request: Request) -> None:
+    """401 unless the request carries ``Authorization: Bearer WEIR_ADMIN_TOKEN``."""
     runtime: Runtime = request.app.state.runtime
     header = request.headers.get("authorization") or ""
     scheme, _, token = header.partition(" ")
@@ -24,6 +25,11 @@ def _runtime_as_admin(request: Request) -> Runtime:
             "A valid admin token is required (Authorization: Bearer WEIR_ADMIN_TOKEN).",
             code="invalid_admin_token",
         )
+
+
+def _runtime_as_admin(request: Request) -> Runtime:
+    require_admin_token(request)
+    runtime: Runtime = request.app.state.runtime
     runtime.check_ready()
     return runtime
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from litestar.exceptions import HTTPException
 
+from api import tracing
 from api.auth import authenticate
 from api.errors import APIError
 from api.metering import Job, Tracker
@@ -142,7 +143,8 @@ class Runtime:
 
     async def finish(self, job: Job, tracker: Tracker) -> None:
         """Settle and meter ``job`` exactly once; runs to the end even if the caller is cancelled."""
-        task = asyncio.create_task(self._finish(job, tracker), name=f"settle-{job.request_id}")
+        settlement = tracing.settled(self._finish(job, tracker), tracker, tracker.cost(self.weights))
+        task = asyncio.create_task(settlement, name=f"settle-{job.request_id}")
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         await asyncio.shield(task)
@@ -212,11 +214,11 @@ class Runtime:
 
     async def reserve(self, principal: Principal, cost: float) -> Reservation:
         """Reserve ``cost`` for the tenant, or raise the 429 that says which limit refused."""
-        with _database_unavailable_is_503():
+        with _database_unavailable_is_503(), tracing.reservation():
             outcome = await self.quotas.reserve(principal.tenant_id, cost)
         if isinstance(outcome, Reservation):
             return outcome
-        self.usage.record_shed(principal.tenant_id, outcome.reason)
+        await self.record_shed(principal, outcome.reason)
         raise quota_refusal(outcome, cost)
 
     async def extend(self, reservation: Reservation, cost: float) -> bool:
@@ -255,6 +257,7 @@ class Runtime:
 
     async def record_shed(self, principal: Principal, reason: str) -> None:
         self.usage.record_shed(principal.tenant_id, reason)
+        tracing.refused(reason)
 
     async def tenants_overview(self) -> list[dict]:
         """Every tenant with its quotas and this month's usage and refusals."""

@@ -9,6 +9,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from api.request_log import LOG_FORMATS, configure_logging
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
 from engine.config import DTYPES
 
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body accepted")
     _add_transport_options(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _add_telemetry_options(serve)
     serve.set_defaults(func=_serve)
 
     demo = subparsers.add_parser(
@@ -97,6 +99,27 @@ def _add_transport_options(serve: argparse.ArgumentParser) -> None:
         )
 
 
+def _add_telemetry_options(serve: argparse.ArgumentParser) -> None:
+    """Log format and /metrics access (traces and metrics export: the OTEL_* variables, docs/telemetry.md)."""
+    serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: one JSON object a line with the request's trace id, and one line per finished "
+        "request (default text)",
+    )
+    serve.add_argument(
+        "--metrics-public", action="store_true", help="serve GET /metrics without the admin token"
+    )
+    serve.add_argument(
+        "--metrics-max-tenants",
+        type=int,
+        default=100,
+        metavar="N",
+        help="tenants with a metric label of their own; later ones are counted as 'other' (default 100)",
+    )
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise SystemExit(f"weir serve: error: --{name} must be positive, got {value}")
@@ -126,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         "header_timeout",
         "body_timeout",
         "keep_alive_timeout",
+        "metrics_max_tenants",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
     from engine.config import EngineConfig
@@ -175,6 +199,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         engine_options=_engine_options(args),
+        log_format=args.log_format,
+        metrics_public=args.metrics_public,
+        metrics_max_tenants=args.metrics_max_tenants,
     )
     limits = TransportLimits(
         max_connections=args.max_connections,
@@ -201,9 +228,13 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
     from api.app import create_app
     from api.http_protocol import limited_protocol
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)-8s %(name)s: %(message)s")
+    configure_logging(settings.log_format, log_level)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # telemetry's OTEL_* variables
+        raise SystemExit(f"weir serve: error: {exc}") from None
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         http=limited_protocol(limits, settings.send_buffer_bytes),
@@ -212,6 +243,7 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
         lifespan="on",
         log_level=log_level,
         timeout_graceful_shutdown=10,
+        **({"log_config": None} if settings.log_format == "json" else {}),  # uvicorn's lines in JSON too
     )
     logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())  # after uvicorn's logging setup
     server = uvicorn.Server(config)

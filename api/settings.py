@@ -25,3 +25,6 @@ class Settings:
     engine_options: dict = field(
         default_factory=dict
     )  # extra EngineConfig fields (kv memory, batch tokens, ...)
+    log_format: str = "text"  # text, or json: one object a line with trace ids, and a line per request
+    metrics_public: bool = False  # serve GET /metrics without the admin token
+    metrics_max_tenants: int = 100  # tenants with a metric label of their own; later ones count as "other"

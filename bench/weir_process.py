@@ -76,10 +76,16 @@ def read_rss_bytes(pid: int) -> int:
 
 @contextmanager
 def weir_serve(
-    model_dir: Path, port: int, database_url: str, state_dir: Path, *options: str
+    model_dir: Path,
+    port: int,
+    database_url: str,
+    state_dir: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
 ) -> Iterator[WeirProcess]:
-    """``weir serve --model model_dir --port port *options`` on ``database_url`` with a fresh admin token,
-    yielded once ``/readyz`` answers 200; its output goes to ``state_dir/server.log``.
+    """``weir serve --model model_dir --port port *options`` on ``database_url`` with a fresh admin token
+    and ``env`` added to the environment, yielded once ``/readyz`` answers 200; its output goes to
+    ``state_dir/server.log``.
 
     On exit it is stopped with SIGTERM (a graceful shutdown: in-flight requests settle, the usage ledger is
     flushed) and killed only if it has not exited after ``STOP_TIMEOUT_S``.
@@ -87,6 +93,7 @@ def weir_serve(
     token = secrets.token_urlsafe(24)
     env = {
         **os.environ,
+        **(env or {}),
         "DATABASE_URL": database_url,
         "WEIR_ADMIN_TOKEN": token,
         "WEIR_STATE_DIR": str(state_dir),

@@ -91,6 +91,7 @@ class EngineStats:
     ttft_estimate_ratio_p50: float | None = None
     ttft_estimate_ratio_p90: float | None = None
     kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free
+    step_seconds: float = 0.0  # time spent in steps since start (over ``steps``: the mean step time)
 
 
 @dataclass(frozen=True)

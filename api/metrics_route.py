@@ -1,0 +1,18 @@
+"""``GET /metrics``: every metric in Prometheus' text format, for the admin token unless
+``weir serve --metrics-public``."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from api.admin_api import require_admin_token
+from api.telemetry import Telemetry
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    if not request.app.state.runtime.settings.metrics_public:
+        require_admin_token(request)
+    telemetry: Telemetry = request.app.state.telemetry
+    return Response(telemetry.prometheus_text(), media_type=CONTENT_TYPE_LATEST)

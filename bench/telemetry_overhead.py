@@ -1,0 +1,163 @@
+"""Telemetry's cost: the same load against ``weir serve`` with telemetry off and on, in one run.
+
+    weir bench telemetry --rounds 2 --requests 32 --rate 8
+
+"Off" is a server with no ``OTEL_*`` variable (nothing exported; ``/metrics`` still served). "On" exports
+traces and metrics by OTLP/HTTP to a receiver in this process (``bench/otlp_receiver.py``, which decodes
+every payload as a collector would) and logs JSON lines. Servers are started in turn, off then on, for
+``--rounds`` rounds, each on the same database and with the same seeded load (one prompt set per round, so
+no round finds the previous round's prompts cached); each mode's figures are the medians over its rounds.
+The load arrives faster than the server drains it, so output tokens/s is the server's capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.http_load import run_load, served_model
+from bench.latency import summarize
+from bench.otlp_receiver import Receiver, otlp_receiver
+from bench.report import format_table, progress, publish
+from bench.serve import build_load
+from bench.soak import soak_database
+from bench.soak_ledger import create_soak_tenants
+from bench.weir_process import ServerError, weir_serve
+from bench.workload import FULL, QUICK, WorkloadSpec
+
+MODES = ("off", "on")
+TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
+
+
+def _server_env(mode: str, receiver: Receiver) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The environment and extra ``weir serve`` options of a mode."""
+    if mode == "off":
+        return {}, ()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": "weir-bench"}
+    return env, ("--log-format", "json")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from bench.model import bench_model_dir, load_tokenizer
+    from bench.peer_server import free_port
+
+    model_dir = bench_model_dir(args.model, "telemetry")
+    tokenizer = load_tokenizer(model_dir)
+    shape = QUICK if args.quick else FULL
+    spec = WorkloadSpec(args.requests, shape.prompt_len, shape.output_len, seed=args.seed)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    with (
+        tempfile.TemporaryDirectory(prefix="weir-bench-telemetry-") as tmp,
+        soak_database(Path(tmp)) as url,
+        otlp_receiver() as receiver,
+    ):
+        keys = asyncio.run(create_soak_tenants(url)).keys
+        for round_index in range(args.rounds):
+            load = build_load(tokenizer, spec, args.rate, list(keys), round_index)
+            for mode in MODES:
+                env, options = _server_env(mode, receiver)
+                state = Path(tmp) / f"{mode}-{round_index}"
+                state.mkdir()
+                progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
+                spans_before = len(receiver.snapshot())
+                try:
+                    with weir_serve(
+                        model_dir,
+                        free_port(),
+                        url,
+                        state,
+                        "--dtype",
+                        args.dtype,
+                        "--log-level",
+                        "warning",
+                        *options,
+                        env=env,
+                    ) as server:
+                        model = asyncio.run(served_model(server.v1, keys[0]))
+                        records = asyncio.run(run_load(server.v1, model, load))
+                except ServerError as exc:
+                    raise SystemExit(f"weir bench telemetry: error: {exc}") from None
+                summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+                summary["spans_exported"] = len(receiver.snapshot()) - spans_before
+                runs[mode].append(summary)
+        metric_names = sorted(receiver.metric_names)
+    medians = {mode: _medians(runs[mode]) for mode in MODES}
+    off, on = medians["off"], medians["on"]
+    return {
+        "benchmark": "telemetry",
+        "model_dir": str(model_dir),
+        "workload": {
+            "requests": spec.num_requests,
+            "prompt_len": list(spec.prompt_len),
+            "output_len": list(spec.output_len),
+            "rate_rps": args.rate,
+            "seed": spec.seed,
+            "rounds": args.rounds,
+        },
+        "runs": runs,
+        "medians": medians,
+        "difference_pct": {
+            "output_tokens_per_s": _pct(on["output_tokens_per_s"], off["output_tokens_per_s"]),
+            "ttft_p50_ms": _pct(on["ttft_p50_ms"], off["ttft_p50_ms"]),
+        },
+        "otlp_metrics_received": metric_names,
+    }
+
+
+def _medians(summaries: list[dict]) -> dict:
+    return {
+        "output_tokens_per_s": statistics.median(s["output_tokens_per_s"] for s in summaries),
+        "ttft_p50_ms": statistics.median(s["ttft_ms"]["p50"] for s in summaries),
+        "tpot_p50_ms": statistics.median(s["tpot_ms"]["p50"] for s in summaries),
+        "completed": min(s["completed"] for s in summaries),
+        "spans_exported": sum(s["spans_exported"] for s in summaries),
+    }
+
+
+def _pct(on: float, off: float) -> float:
+    """How much ``on`` differs from ``off``, in percent of ``off``."""
+    return round(100 * (on - off) / off, 2)
+
+
+def render(result: dict) -> str:
+    headers = ["round", "telemetry", "completed", "out tok/s", "TTFT p50", "TPOT p50", "spans exported"]
+    rows = []
+    for mode in MODES:
+        for index, s in enumerate(result["runs"][mode]):
+            rows.append(
+                [
+                    index + 1,
+                    mode,
+                    s["completed"],
+                    s["output_tokens_per_s"],
+                    s["ttft_ms"]["p50"],
+                    s["tpot_ms"]["p50"],
+                    s["spans_exported"],
+                ]
+            )
+    for mode in MODES:
+        m = result["medians"][mode]
+        figures = [m["output_tokens_per_s"], m["ttft_p50_ms"], m["tpot_p50_ms"]]
+        rows.append(["median", mode, m["completed"], *figures, "-"])
+    diff = result["difference_pct"]
+    verdict = all(abs(value) < TARGET_PCT for value in diff.values())
+    return "\n".join(
+        [
+            "latencies in ms; 'on' exports traces and metrics by OTLP/HTTP to a local receiver",
+            format_table(headers, rows),
+            f"on vs off: output tokens/s {diff['output_tokens_per_s']:+.2f} %, "
+            f"TTFT p50 {diff['ttft_p50_ms']:+.2f} % (target: both within {TARGET_PCT:g} %: "
+            f"{'met' if verdict else 'not met'})",
+            f"OTLP metrics received: {len(result['otlp_metrics_received'])} names",
+        ]
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.requests < 1 or args.rate <= 0:
+        raise SystemExit("weir bench telemetry: error: --rounds, --requests and --rate must be positive")
+    publish(run(args), args.out, render)
+    return 0
