@@ -264,6 +264,9 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="the servers' compute dtype (default auto)"
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="both servers' compute dtype (default float32: auto could choose differently for each)",
     )
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")

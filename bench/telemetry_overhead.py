@@ -4,10 +4,12 @@
 
 "Off" is a server with no ``OTEL_*`` variable (nothing exported; ``/metrics`` still served). "On" exports
 traces and metrics by OTLP/HTTP to a receiver in this process (``bench/otlp_receiver.py``, which decodes
-every payload as a collector would) and logs JSON lines. Servers are started in turn, off then on, for
-``--rounds`` rounds, each on the same database and with the same seeded load (one prompt set per round, so
-no round finds the previous round's prompts cached); each mode's figures are the medians over its rounds.
-The load arrives faster than the server drains it, so output tokens/s is the server's capacity.
+every payload as a collector would) and logs JSON lines. Both servers run side by side on one database;
+the same seeded load goes to one server, then to the other, for ``--rounds`` rounds (one prompt set per
+round, so no round finds the previous round's prompts cached; off first in even rounds, on first in odd
+ones), and each mode's figures are the medians over its rounds. Alternating spreads the machine's slow
+drifts over both modes. The load
+arrives faster than the server drains it, so output tokens/s is the server's capacity.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import statistics
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 from bench.http_load import run_load, served_model
@@ -53,33 +56,30 @@ def run(args: argparse.Namespace) -> dict:
         tempfile.TemporaryDirectory(prefix="weir-bench-telemetry-") as tmp,
         soak_database(Path(tmp)) as url,
         otlp_receiver() as receiver,
+        ExitStack() as stack,
     ):
         keys = asyncio.run(create_soak_tenants(url)).keys
+        servers = {}
+        for mode in MODES:
+            env, options = _server_env(mode, receiver)
+            state = Path(tmp) / mode
+            state.mkdir()
+            progress(f"starting weir serve with telemetry {mode}")
+            options = ("--dtype", args.dtype, "--log-level", "warning", *options)
+            try:
+                servers[mode] = stack.enter_context(
+                    weir_serve(model_dir, free_port(), url, state, *options, env=env)
+                )
+            except ServerError as exc:
+                raise SystemExit(f"weir bench telemetry: error: {exc}") from None
+        model = asyncio.run(served_model(servers["off"].v1, keys[0]))
         for round_index in range(args.rounds):
             load = build_load(tokenizer, spec, args.rate, list(keys), round_index)
-            for mode in MODES:
-                env, options = _server_env(mode, receiver)
-                state = Path(tmp) / f"{mode}-{round_index}"
-                state.mkdir()
+            order = MODES if round_index % 2 == 0 else MODES[::-1]  # neither mode always goes first
+            for mode in order:  # the idle server waits on an event: it takes no CPU from the loaded one
                 progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
                 spans_before = len(receiver.snapshot())
-                try:
-                    with weir_serve(
-                        model_dir,
-                        free_port(),
-                        url,
-                        state,
-                        "--dtype",
-                        args.dtype,
-                        "--log-level",
-                        "warning",
-                        *options,
-                        env=env,
-                    ) as server:
-                        model = asyncio.run(served_model(server.v1, keys[0]))
-                        records = asyncio.run(run_load(server.v1, model, load))
-                except ServerError as exc:
-                    raise SystemExit(f"weir bench telemetry: error: {exc}") from None
+                records = asyncio.run(run_load(servers[mode].v1, model, load))
                 summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
                 summary["spans_exported"] = len(receiver.snapshot()) - spans_before
                 runs[mode].append(summary)
