@@ -7,16 +7,17 @@ import hmac
 
 from litestar import Request, get
 
+from api.admin_report import tenants_overview
 from api.errors import APIError
-from api.runtime import Runtime
+from api.services import Services
 
 
 def require_admin_token(request: Request) -> None:
     """401 unless the request carries ``Authorization: Bearer WEIR_ADMIN_TOKEN``."""
-    runtime: Runtime = request.app.state.runtime
+    services: Services = request.app.state.services
     header = request.headers.get("authorization") or ""
     scheme, _, token = header.partition(" ")
-    expected = (runtime.settings.admin_token or "").encode()
+    expected = (services.settings.admin_token or "").encode()
     # compared as bytes: any header text (non-ASCII included) is a wrong token, never an error
     given = token.strip().encode("utf-8", "surrogateescape")
     if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
@@ -27,24 +28,24 @@ def require_admin_token(request: Request) -> None:
         )
 
 
-def _runtime_as_admin(request: Request) -> Runtime:
+def _services_as_admin(request: Request) -> Services:
     require_admin_token(request)
-    runtime: Runtime = request.app.state.runtime
-    runtime.check_ready()
-    return runtime
+    services: Services = request.app.state.services
+    services.check_ready()
+    return services
 
 
 @get("/admin/api/engine")
 async def engine_state(request: Request) -> dict:
-    runtime = _runtime_as_admin(request)
-    stats = dataclasses.asdict(runtime.engine.stats())
-    return {"model": runtime.model_name, **stats, "api": runtime.counters()}
+    services = _services_as_admin(request)
+    stats = dataclasses.asdict(services.engine.stats())
+    return {"model": services.model.name, **stats, "api": services.settlement.counters()}
 
 
 @get("/admin/api/tenants")
 async def tenants_state(request: Request) -> dict:
-    runtime = _runtime_as_admin(request)
-    return {"tenants": await runtime.tenants_overview()}
+    services = _services_as_admin(request)
+    return {"tenants": await tenants_overview(services.store.db, services.settlement.active_by_tenant)}
 
 
 ADMIN_ROUTES = [engine_state, tenants_state]

@@ -8,16 +8,23 @@ import logging
 import math
 import uuid
 from functools import partial
+from typing import TYPE_CHECKING
 
-from api.errors import APIError, bad_request
+from api.errors import bad_request
 from api.metering import Job
 from api.openai_format import ResponseShape
 from api.output_allowance import OutputAllowance
-from api.runtime import Runtime
+from api.refusals import overloaded
 from api.schemas import ChatCompletionRequest, CompletionRequest
-from engine.cost import worst_case_cost
-from engine.types import SamplingParams
+from api.settings import Settings
+from api.tenant_store import TenantStore
+from engine.cost import CostWeights, worst_case_cost
+from engine.types import EngineStats, SamplingParams
 from tenants.auth import Principal
+
+if TYPE_CHECKING:
+    from api.services import ServedModel
+    from engine import AsyncEngine
 
 log = logging.getLogger("weir.api")
 
@@ -29,11 +36,11 @@ MAX_CHARS_PER_TOKEN = 64
 
 
 async def _prompt_ids(
-    runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
+    engine: AsyncEngine, body: ChatCompletionRequest | CompletionRequest
 ) -> tuple[list[int], str]:
     """The prompt's token ids and the parameter name to blame for it; a text the tokenizer or the chat
     template rejects is a 400, and one too long for the context is refused before it is tokenized."""
-    tokenizer = runtime.engine.tokenizer
+    tokenizer = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = body.chat_messages()
         param = "messages"
@@ -43,13 +50,13 @@ async def _prompt_ids(
         prompt = body.prompt_input()
         param = "prompt"
         if not isinstance(prompt, str):
-            vocab = runtime.vocab_size
+            vocab = engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", param=param)
             return list(prompt), param
         size = len(prompt)
         tokenize = partial(tokenizer.encode, prompt)
-    context = runtime.max_model_len
+    context = engine.max_model_len
     if size > MAX_CHARS_PER_TOKEN * context:
         raise bad_request(
             f"This model's maximum context length is {context} tokens, and the {param} holds {size} "
@@ -66,14 +73,13 @@ async def _prompt_ids(
 
 
 def _max_tokens(
-    runtime: Runtime,
+    context: int,
     principal: Principal,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
     prompt_param: str,
 ) -> int:
     requested, param = body.requested_max_tokens(), body.max_tokens_param
-    context = runtime.max_model_len
     room = context - prompt_len
     limit = principal.quotas.max_output_tokens
     if room < 1 or (requested is not None and requested > room):
@@ -96,7 +102,7 @@ def _max_tokens(
 
 
 def _output_allowance(
-    runtime: Runtime,
+    weights: CostWeights,
     principal: Principal,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
@@ -106,7 +112,7 @@ def _output_allowance(
     request without it, an allowance that grows with the answer."""
     if not isinstance(body, ChatCompletionRequest) or body.requested_max_tokens() is not None:
         return OutputAllowance.fixed(max_tokens)
-    return OutputAllowance.growing(max_tokens, prompt_len, principal.quotas.cost_per_minute, runtime.weights)
+    return OutputAllowance.growing(max_tokens, prompt_len, principal.quotas.cost_per_minute, weights)
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
@@ -119,77 +125,96 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     )
 
 
-_SHED_WHY = {
-    "queue": "too many requests are waiting",
-    "kv": "the KV cache is full and requests wait for memory",
-    "slo": "the predicted time to first token exceeds the tenant's target",
-}
+class Admission:
+    """Admits requests to ``engine`` against the tenant store's quotas and the engine's bounds."""
 
+    def __init__(
+        self, engine: AsyncEngine, model: ServedModel, store: TenantStore, settings: Settings
+    ) -> None:
+        self._engine = engine
+        self._model = model
+        self._store = store
+        self._max_waiting = settings.max_waiting
+        self._deadline_grace_s = settings.deadline_grace_s
+        self._fair = settings.engine.policy == "fair"
+        self._weights = settings.weights
 
-async def _shed(runtime: Runtime, principal: Principal, prompt_len: int) -> None:
-    """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
-    stats = runtime.engine.stats()
-    reason = None
-    retry_after = 1.0
-    if stats.waiting >= runtime.settings.max_waiting:
-        reason = "queue"
-    elif stats.waiting and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free:
-        reason = "kv"  # others already wait for memory that this prompt's prefill would need too
-    else:
-        # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
-        # size only, the request runs even if it would miss its target alone.
-        estimate = runtime.engine.estimate_ttft(prompt_len, str(principal.tenant_id))
-        target = principal.tenant.ttft_target_s
-        if estimate.queued_tokens and estimate.reliable and estimate.seconds > target:
-            reason = "slo"
-            retry_after = max(1.0, estimate.seconds - target)
-    if reason is None:
-        return
-    await runtime.record_shed(principal, reason)
-    raise APIError(
-        503,
-        f"The server is overloaded and cannot start your request in time ({_SHED_WHY[reason]}). "
-        "Please retry after a short wait.",
-        type="server_error",
-        code="server_overloaded",
-        headers={"retry-after": str(math.ceil(retry_after))},
-    )
+    async def admit(self, principal: Principal, body: ChatCompletionRequest | CompletionRequest) -> Job:
+        """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
+        body.check_common()
+        self._model.check(body.model)
+        prompt_ids, prompt_param = await _prompt_ids(self._engine, body)
+        max_tokens = _max_tokens(self._engine.max_model_len, principal, body, len(prompt_ids), prompt_param)
+        output = _output_allowance(self._weights, principal, body, len(prompt_ids), max_tokens)
+        params = _sampling(body, max_tokens)
+        reservation = await self._store.reserve(
+            principal, worst_case_cost(len(prompt_ids), output.reserved, self._weights)
+        )
+        try:
+            self._shed(principal, len(prompt_ids))
+            rate_limit_headers = await self._store.rate_limit_headers(principal)
+        except BaseException:
+            self._store.release(reservation)
+            raise
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        return Job(
+            request_id=request_id,
+            tenant_id=principal.tenant_id,
+            tenant_name=principal.tenant_name,
+            key_id=principal.key_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            shape=ResponseShape(chat=chat, model=body.model, include_usage=body.include_usage, id=request_id),
+            stream=bool(body.stream),
+            reservation=reservation,
+            output=output,
+            rate_limit_headers=rate_limit_headers,
+            tpot_target_s=principal.tenant.tpot_target_s,
+            weight=principal.tenant.weight,
+            start_within_s=principal.tenant.ttft_target_s + self._deadline_grace_s,
+        )
 
+    def _shed(self, principal: Principal, prompt_len: int) -> None:
+        """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
+        stats = self._engine.stats()
+        tenant = str(principal.tenant_id)
+        reason = None
+        retry_after = 1.0
+        if self._queue_full(stats, tenant):
+            reason = "queue"
+        elif (
+            self._waiting_ahead(stats, tenant)
+            and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free
+        ):
+            reason = "kv"  # requests served before it already wait for memory its prefill would need too
+        else:
+            # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
+            # size only, the request runs even if it would miss its target alone.
+            estimate = self._engine.estimate_ttft(prompt_len, tenant, principal.tenant.weight)
+            target = principal.tenant.ttft_target_s
+            if estimate.queued_tokens and estimate.reliable and estimate.seconds > target:
+                reason = "slo"
+                retry_after = max(1.0, estimate.seconds - target)
+        if reason is None:
+            return
+        self._store.record_shed(principal.tenant_id, reason)
+        raise overloaded(reason, retry_after)
 
-async def admit(
-    runtime: Runtime, principal: Principal, body: ChatCompletionRequest | CompletionRequest
-) -> Job:
-    """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
-    body.check_common()
-    runtime.check_model(body.model)
-    prompt_ids, prompt_param = await _prompt_ids(runtime, body)
-    max_tokens = _max_tokens(runtime, principal, body, len(prompt_ids), prompt_param)
-    output = _output_allowance(runtime, principal, body, len(prompt_ids), max_tokens)
-    params = _sampling(body, max_tokens)
-    reservation = await runtime.reserve(
-        principal, worst_case_cost(len(prompt_ids), output.reserved, runtime.weights)
-    )
-    try:
-        await _shed(runtime, principal, len(prompt_ids))
-        rate_limit_headers = await runtime.rate_limit_headers(principal)
-    except BaseException:
-        await runtime.release(reservation)
-        raise
-    chat = isinstance(body, ChatCompletionRequest)
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    return Job(
-        runtime=runtime,
-        request_id=request_id,
-        tenant_id=principal.tenant_id,
-        tenant_name=principal.tenant_name,
-        key_id=principal.key_id,
-        prompt_ids=prompt_ids,
-        params=params,
-        shape=ResponseShape(chat=chat, model=body.model, include_usage=body.include_usage, id=request_id),
-        stream=bool(body.stream),
-        reservation=reservation,
-        output=output,
-        rate_limit_headers=rate_limit_headers,
-        tpot_target_s=principal.tenant.tpot_target_s,
-        weight=principal.tenant.weight,
-    )
+    def _queue_full(self, stats: EngineStats, tenant: str) -> bool:
+        """The engine's queue holds ``max_waiting`` requests and, under the fair policy, the tenant already
+        has its share of the places (``max_waiting`` over the tenants waiting, itself included): a tenant
+        flooding the queue cannot lock the others out of it (it may then exceed the cap by one place for
+        each tenant)."""
+        if stats.waiting < self._max_waiting:
+            return False
+        if not self._fair:
+            return True
+        tenants = len(stats.waiting_by_tenant.keys() | {tenant})
+        return stats.waiting_by_tenant.get(tenant, 0) >= math.ceil(self._max_waiting / tenants)
+
+    def _waiting_ahead(self, stats: EngineStats, tenant: str) -> int:
+        """Waiting requests that the policy serves before a new one of ``tenant``: all of them first come
+        first served; under the fair policy its own (the fair order takes it ahead of tenants over their
+        share)."""
+        return stats.waiting_by_tenant.get(tenant, 0) if self._fair else stats.waiting

@@ -13,26 +13,26 @@ from api.errors import EXCEPTION_HANDLERS
 from api.metrics_route import metrics
 from api.openapi import openapi_json
 from api.routes import ROUTES
-from api.runtime import Runtime
+from api.services import Services
 from api.settings import Settings
 from api.telemetry import Telemetry
 
 
 def create_app(settings: Settings) -> Litestar:
     """The API over one engine and the tenant store; both start in the app's lifespan."""
-    runtime = Runtime(settings)
+    services = Services(settings)
     telemetry = Telemetry(trace_ids=settings.log_format == "json", max_tenants=settings.metrics_max_tenants)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.runtime = runtime
+        app.state.services = services
         app.state.telemetry = telemetry
-        await runtime.start()
-        telemetry.observe(runtime.engine.stats, runtime.usage, runtime.db)
+        await services.start()
+        telemetry.observe(services.engine.stats, services.store, settings.state_dir / "spill")
         try:
             yield
         finally:
-            await runtime.stop()
+            await services.stop()
             telemetry.shutdown()
 
     return Litestar(

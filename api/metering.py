@@ -6,23 +6,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
 from api.openai_format import ResponseShape, usage_dict
+from api.output_allowance import OutputAllowance
+from api.refusals import overloaded
 from engine.cost import CostWeights, request_cost
 from engine.types import RequestOutput, SamplingParams
-
-if TYPE_CHECKING:
-    from api.output_allowance import OutputAllowance
-    from api.runtime import Runtime
+from tenants.quotas import Reservation
 
 
 @dataclass
 class Job:
-    """One request that passed auth, validation, reservation and admission."""
+    """One request that passed auth, validation, reservation and admission: its data, nothing live."""
 
-    runtime: Runtime
     request_id: str
     tenant_id: int
     tenant_name: str
@@ -31,10 +28,13 @@ class Job:
     params: SamplingParams
     shape: ResponseShape
     stream: bool
-    reservation: Any  # the tenants package's reservation, settled exactly once
+    reservation: Reservation  # settled exactly once
     output: OutputAllowance  # the output tokens the reservation covers
     rate_limit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's allowance at admission
     tpot_target_s: float | None = None  # the tenant's time-per-output-token target
+    start_within_s: float | None = (
+        None  # refused unstarted after this long in the queue (TTFT target + grace)
+    )
     weight: float = 1.0  # the tenant's share weight under the fair policy
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
@@ -42,24 +42,25 @@ class Job:
 
 @dataclass
 class Tracker:
-    """Accumulates a request's engine deltas and how its client behaved."""
+    """Accumulates a request's engine deltas (merged into one) and how its client behaved."""
 
     job: Job
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    arrival_time: float | None = None
-    queue_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_reason: str | None = None  # the engine's: stop | length | abort | error
-    engine_error: str | None = None
+    total: RequestOutput = field(init=False)  # every delta so far, merged by ``RequestOutput.merge``
     disconnected: bool = False  # the client went away before its answer was complete
     dropped: bool = False  # the client stopped reading for longer than the client timeout
     responded: bool = False  # the last byte of the answer was handed to the server
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = len(self.job.prompt_ids)
+        self.total = RequestOutput(self.job.request_id)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.total.prompt_tokens or len(self.job.prompt_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The engine's: stop | length | abort | error (``None`` while it runs)."""
+        return self.total.finish_reason
 
     @property
     def finished(self) -> bool:
@@ -71,31 +72,28 @@ class Tracker:
         return self.finish_reason in ("stop", "length")
 
     @property
+    def refused(self) -> bool:
+        """The engine refused the request unstarted: it waited past its start deadline."""
+        return self.finish_reason == "deadline"
+
+    @property
     def gone(self) -> bool:
         return self.disconnected or self.dropped
 
     def update(self, out: RequestOutput) -> None:
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
-        self.output_tokens = max(self.output_tokens, out.output_tokens)
-        self.arrival_time = out.arrival_time or self.arrival_time
-        self.queue_time = out.queue_time if out.queue_time is not None else self.queue_time
-        self.first_token_time = out.first_token_time or self.first_token_time
-        if out.token_times:
-            self.last_token_time = out.token_times[-1]
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.engine_error = out.error
+        self.total.merge(out)
 
     def fail(self, error: str) -> None:
-        self.finish_reason, self.engine_error = "error", error
+        self.total.finished, self.total.finish_reason, self.total.error = True, "error", error
 
     def usage(self) -> dict:
-        return usage_dict(self.prompt_tokens, self.cached_tokens, self.output_tokens)
+        return usage_dict(self.prompt_tokens, self.total.cached_tokens, self.total.output_tokens)
 
     def error(self) -> APIError:
-        """The server-side failure of this request, in the envelope."""
-        detail = self.engine_error or (
+        """The server-side failure or the refusal of this request, in the envelope."""
+        if self.refused:
+            return overloaded("deadline", self.job.start_within_s or 1.0)
+        detail = self.total.error or (
             "the server stopped the request"
             if self.finish_reason == "abort"
             else "the request ended unexpectedly"
@@ -103,8 +101,8 @@ class Tracker:
         return APIError(500, f"The server had an error while generating: {detail}", type="server_error")
 
     def cost(self, weights: CostWeights) -> float:
-        cached = min(self.cached_tokens, self.prompt_tokens)
-        return request_cost(self.prompt_tokens - cached, cached, self.output_tokens, weights)
+        cached = min(self.total.cached_tokens, self.prompt_tokens)
+        return request_cost(self.prompt_tokens - cached, cached, self.total.output_tokens, weights)
 
     def outcome(self) -> tuple[str, str | None]:
         """(status, finish_reason) for the ledger; status is "ok", "cancelled" or "error"."""
@@ -118,9 +116,16 @@ class Tracker:
 
     def timings(self) -> dict[str, float | None]:
         """Queue time, TTFT, mean TPOT and end-to-end seconds."""
-        start = self.arrival_time or self.job.started
-        ttft = self.first_token_time - start if self.first_token_time is not None else None
+        total = self.total
+        start = total.arrival_time or self.job.started
+        first = total.first_token_time
+        ttft = first - start if first is not None else None
         tpot = None
-        if self.first_token_time is not None and self.last_token_time is not None and self.output_tokens > 1:
-            tpot = (self.last_token_time - self.first_token_time) / (self.output_tokens - 1)
-        return {"queue_s": self.queue_time, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": time.monotonic() - start}
+        if first is not None and total.token_times and total.output_tokens > 1:
+            tpot = (total.token_times[-1] - first) / (total.output_tokens - 1)
+        return {
+            "queue_s": total.queue_time,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "e2e_s": time.monotonic() - start,
+        }

@@ -10,7 +10,6 @@ from pathlib import Path
 from opentelemetry.metrics import CallbackOptions, Histogram, Meter, Observation
 
 from engine.types import EngineStats
-from tenants.usage import UsageWriter
 
 # The GenAI semantic conventions' recommended bucket boundaries.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -103,14 +102,14 @@ class Metrics:
             description="Seconds spent in engine steps; over weir.engine.steps, the mean step time",
         )
 
-    def observe_ledger(self, meter: Meter, usage: UsageWriter) -> None:
+    def observe_ledger(self, meter: Meter, pending: Callable[[], int], spill_dir: Path) -> None:
         """The usage writer's backlog (events not yet written or spilled) and its spill files' size."""
 
         def backlog(_: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(usage.pending)]
+            return [Observation(pending())]
 
         def spill_bytes(_: CallbackOptions) -> Iterable[Observation]:
-            files = usage.spill_dir.glob("*.jsonl") if usage.spill_dir.is_dir() else ()
+            files = spill_dir.glob("*.jsonl") if spill_dir.is_dir() else ()
             return [Observation(sum(_size(path) for path in files))]
 
         meter.create_observable_gauge("weir.ledger.backlog", [backlog], unit="{event}")

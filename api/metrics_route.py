@@ -12,7 +12,7 @@ from api.telemetry import Telemetry
 
 @get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    if not request.app.state.runtime.settings.metrics_public:
+    if not request.app.state.services.settings.metrics_public:
         require_admin_token(request)
     telemetry: Telemetry = request.app.state.telemetry
     return Response(telemetry.prometheus_text(), media_type=CONTENT_TYPE_LATEST)

@@ -11,14 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.cost import CostWeights, request_cost
-from engine.tokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.types import RequestOutput
-
-if TYPE_CHECKING:
-    from api.metering import Job
 
 CHAT_ALLOWANCE = 256  # output tokens reserved up front for a chat request without max_tokens
 EXTENSION = 256  # output tokens added per extension
@@ -59,37 +55,36 @@ class OutputAllowance:
 
     def wanted(self, produced: int) -> int:
         """Tokens to add to the reservation now to stay ``EXTEND_AHEAD`` ahead of ``produced`` (0: none)."""
-        if self.refused or self.reserved >= self.ceiling or produced + EXTEND_AHEAD < self.reserved:
+        done = self.ended or self.refused or self.reserved >= self.ceiling
+        if done or produced + EXTEND_AHEAD < self.reserved:
             return 0
         return min(self.ceiling - self.reserved, max(self.step, produced + EXTEND_AHEAD - self.reserved))
 
-    async def bound(self, job: Job, out: RequestOutput, extend: bool = True) -> RequestOutput | None:
-        """``out`` as far as the reservation covers it, after extending it if it should grow (``extend``);
-        ``None`` for what comes after the output was cut."""
+    def grant(self, extra: int, granted: bool) -> None:
+        """Record the answer to extending the reservation by ``extra`` tokens (a refusal is final)."""
+        if granted:
+            self.reserved += extra
+        else:
+            self.refused = True
+
+    def bound(self, out: RequestOutput, tokenizer: Tokenizer, prompt_ids: list[int]) -> RequestOutput | None:
+        """``out`` as far as the reservation covers it; ``None`` for what comes after the output was cut.
+        A delta that reaches ``reserved`` before the engine ended is the last one (the caller aborts)."""
         if self.ended:
             return None
-        extra = self.wanted(out.output_tokens) if extend else 0
-        if extra:
-            cost = request_cost(0, 0, extra, job.runtime.weights)
-            if await job.runtime.extend(job.reservation, cost):
-                self.reserved += extra
-            else:
-                self.refused = True
         if out.output_tokens > self.reserved or (out.output_tokens == self.reserved and not out.finished):
-            return self._cut(job, out)
+            return self._cut(out, tokenizer, prompt_ids)
         self._ids.extend(out.token_ids)
         self._texts.append(out.text)
         self.ended = out.finished
         return out
 
-    def _cut(self, job: Job, out: RequestOutput) -> RequestOutput:
+    def _cut(self, out: RequestOutput, tokenizer: Tokenizer, prompt_ids: list[int]) -> RequestOutput:
         """The last delta: the tokens up to ``reserved`` and their text as the engine would have ended it at
-        that length; the engine request is aborted."""
-        if not out.finished:
-            job.runtime.abort(job.request_id)
+        that length."""
         keep = self.reserved - len(self._ids)
         self._ids.extend(out.token_ids[:keep])
-        detokenizer = IncrementalDetokenizer(job.runtime.engine.tokenizer, job.prompt_ids)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         text = detokenizer.push(self._ids) + detokenizer.flush()
         sent = "".join(self._texts)
         self.ended = True

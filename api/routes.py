@@ -9,11 +9,10 @@ from litestar.exceptions import InternalServerException
 from litestar.types import ASGIApp
 
 from api import tracing
-from api.admission import admit
 from api.errors import APIError
 from api.openapi import REQUEST_BODY
-from api.runtime import Runtime
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
+from api.services import Services
 from api.sse_response import CompletionResponse
 
 log = logging.getLogger("weir.api")
@@ -30,15 +29,16 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _completion(request: Request, struct: type[SamplingFields], operation: str) -> ASGIApp:
-    runtime: Runtime = request.app.state.runtime
-    runtime.check_ready()
+    services: Services = request.app.state.services
+    services.check_ready()
     telemetry = tracing.begin(request.app.state.telemetry, operation)
     with telemetry.child("auth"):
-        principal = await runtime.authenticate(request.headers.get("authorization"))
-    async with runtime.rate_limit_headers_on_refusal(principal):
+        principal = await services.store.authenticate(request.headers.get("authorization"))
+    async with services.store.rate_limit_headers_on_refusal(principal):
         body = decode_body(await _read_body(request), struct)
         with telemetry.generation(body, principal):
-            return CompletionResponse(await admit(runtime, principal, body))
+            job = await services.admission.admit(principal, body)
+    return CompletionResponse(job, services.engine, services.settlement, services.settings.client_timeout_s)
 
 
 @post("/v1/chat/completions", status_code=200, opt={REQUEST_BODY: ChatCompletionRequest})
@@ -53,19 +53,19 @@ async def completions(request: Request) -> ASGIApp:
 
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
-    runtime: Runtime = request.app.state.runtime
-    runtime.check_ready()
-    await runtime.authenticate(request.headers.get("authorization"))
-    return {"object": "list", "data": [runtime.model_card()]}
+    services: Services = request.app.state.services
+    services.check_ready()
+    await services.store.authenticate(request.headers.get("authorization"))
+    return {"object": "list", "data": [services.model.card()]}
 
 
 @get("/v1/models/{model_id:str}")
 async def retrieve_model(request: Request, model_id: str) -> dict:
-    runtime: Runtime = request.app.state.runtime
-    runtime.check_ready()
-    await runtime.authenticate(request.headers.get("authorization"))
-    runtime.check_model(model_id)
-    return runtime.model_card()
+    services: Services = request.app.state.services
+    services.check_ready()
+    await services.store.authenticate(request.headers.get("authorization"))
+    services.model.check(model_id)
+    return services.model.card()
 
 
 @get("/healthz")
@@ -77,10 +77,10 @@ async def healthz() -> dict:
 @get("/readyz")
 async def readyz(request: Request) -> Response:
     """Ready once the model is loaded and the database answers."""
-    runtime: Runtime = request.app.state.runtime
-    database = await runtime.database_reachable() if runtime.ready else False
-    ready = runtime.ready and database
-    body = {"ready": ready, "model": runtime.model_name if runtime.ready else None, "database": database}
+    services: Services = request.app.state.services
+    database = await services.store.reachable() if services.ready else False
+    ready = services.ready and database
+    body = {"ready": ready, "model": services.model.name if services.ready else None, "database": database}
     return Response(body, status_code=200 if ready else 503)
 
 

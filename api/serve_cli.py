@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import secrets
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from api.request_log import LOG_FORMATS, configure_logging
+from api.settings import Settings
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
-from engine.config import DTYPES
-
-if TYPE_CHECKING:
-    from api.settings import Settings
+from engine.config import DTYPES, EngineConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,8 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve the OpenAI-compatible API. Migrates the database first (embedded PostgreSQL "
         "when DATABASE_URL is unset). Prints an admin token when WEIR_ADMIN_TOKEN is unset.",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=Settings.host)
+    serve.add_argument("--port", type=int, default=Settings.port)
     serve.add_argument(
         "--model", help="a Hugging Face Llama-family directory (default: SmolLM2-135M-Instruct)"
     )
@@ -33,13 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--client-timeout",
         type=float,
-        default=30.0,
+        default=Settings.client_timeout_s,
         metavar="SECONDS",
-        help="drop a connection whose client has not read for this long (default 30)",
+        help="drop a connection whose client has not read for this long "
+        f"(default {Settings.client_timeout_s:g})",
     )
     serve.add_argument("--kv-cache-memory", type=int, metavar="MIB", help="KV cache size in MiB")
     serve.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="compute dtype (default auto: the fastest, measured)"
+        "--dtype",
+        choices=DTYPES,
+        default=EngineConfig.dtype,
+        help=f"compute dtype (default {EngineConfig.dtype}: the fastest, measured)",
     )
     serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
     serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
@@ -55,10 +56,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-waiting",
         type=int,
-        default=256,
-        help="shed new requests when this many wait in the engine (default 256)",
+        default=Settings.max_waiting,
+        help=f"shed new requests when this many wait in the engine (default {Settings.max_waiting})",
     )
-    serve.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body accepted")
+    serve.add_argument(
+        "--deadline-grace",
+        type=float,
+        default=Settings.deadline_grace_s,
+        metavar="S",
+        help="refuse (503) a queued request not started within its tenant's TTFT target plus this many "
+        f"seconds, before any byte of its answer (default {Settings.deadline_grace_s})",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=Settings.max_body_bytes, help="largest request body accepted"
+    )
     _add_transport_options(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     _add_telemetry_options(serve)
@@ -114,9 +125,10 @@ def _add_telemetry_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--metrics-max-tenants",
         type=int,
-        default=100,
+        default=Settings.metrics_max_tenants,
         metavar="N",
-        help="tenants with a metric label of their own; later ones are counted as 'other' (default 100)",
+        help="tenants with a metric label of their own; later ones are counted as 'other' "
+        f"(default {Settings.metrics_max_tenants})",
     )
 
 
@@ -125,16 +137,18 @@ def _positive(name: str, value: float | None) -> None:
         raise SystemExit(f"weir serve: error: --{name} must be positive, got {value}")
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
-    options = {}
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's flags as its config (flags not given keep ``EngineConfig``'s defaults)."""
+    options = {"dtype": args.dtype, "prefix_caching": args.prefix_caching}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory << 20
     for name in ("max_batched_tokens", "max_num_seqs", "policy"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    options["prefix_caching"] = args.prefix_caching
-    options["dtype"] = args.dtype
-    return options
+    try:
+        return EngineConfig(**options)
+    except ValueError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -152,24 +166,23 @@ def _serve(args: argparse.Namespace) -> int:
         "metrics_max_tenants",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
-    from engine.config import EngineConfig
+    if not args.deadline_grace >= 0:
+        raise SystemExit(
+            f"weir serve: error: --deadline-grace must be non-negative, got {args.deadline_grace}"
+        )
     from engine.policies import POLICIES
+    from engine.weights import resolve_model_dir
 
     if args.policy is not None and args.policy not in POLICIES:
         raise SystemExit(f"weir serve: error: --policy must be one of {', '.join(sorted(POLICIES))}")
-    try:
-        EngineConfig(**_engine_options(args))
-    except ValueError as exc:
-        raise SystemExit(f"weir serve: error: {exc}") from None
+    engine = _engine_config(args)
     if not 0 < args.port < 65536:
         raise SystemExit(f"weir serve: error: --port must be in 1..65535, got {args.port}")
 
-    from engine.weights import resolve_model_dir, state_dir_from_env
     from tenants.db import DatabaseError, database_url, upgrade_to_head
 
-    state_dir = state_dir_from_env()
     try:
-        model_dir = resolve_model_dir(args.model, state_dir)
+        model_dir = resolve_model_dir(args.model, engine.resolved_state_dir())
     except ValueError as exc:
         raise SystemExit(f"weir serve: error: {exc}") from None
     from sqlalchemy.exc import SQLAlchemyError
@@ -185,20 +198,17 @@ def _serve(args: argparse.Namespace) -> int:
         admin_token = secrets.token_urlsafe(24)
         print(f"Admin token (set WEIR_ADMIN_TOKEN to choose your own): {admin_token}", flush=True)
 
-    from api.settings import Settings
-
     settings = Settings(
-        model=str(model_dir),
+        engine=dataclasses.replace(engine, model=str(model_dir)),
         model_name=args.model_name,
         host=args.host,
         port=args.port,
-        state_dir=Path(state_dir),
         database_url=url,
         admin_token=admin_token,
         client_timeout_s=args.client_timeout,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
-        engine_options=_engine_options(args),
+        deadline_grace_s=args.deadline_grace,
         log_format=args.log_format,
         metrics_public=args.metrics_public,
         metrics_max_tenants=args.metrics_max_tenants,

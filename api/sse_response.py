@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from api.errors import APIError
 from api.metering import Job, Tracker
 from api.openai_format import DONE, json_bytes, sse
+from api.settlement import Settlement
 from engine.types import RequestOutput
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
 
 log = logging.getLogger("weir.api")
 
@@ -34,12 +39,17 @@ class ClientTooSlow(Exception):
 class CompletionResponse:
     """ASGI app for one admitted completion request (``job``), streamed or not."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(
+        self, job: Job, engine: AsyncEngine, settlement: Settlement, client_timeout_s: float
+    ) -> None:
         self.job = job
         self.tracker = Tracker(job)
+        self._engine = engine
+        self._settlement = settlement
+        self._client_timeout_s = client_timeout_s
 
     async def __call__(self, scope: dict, receive, send) -> None:
-        self.job.runtime.begin(self.job)
+        self._settlement.begin(self.job)
         watcher = asyncio.create_task(self._watch_disconnect(receive))
         try:
             if self.job.stream:
@@ -50,7 +60,7 @@ class CompletionResponse:
             self._drop()
         finally:
             watcher.cancel()
-            await self.job.runtime.finish(self.job, self.tracker)
+            await self._settlement.finish(self.job, self.tracker)
 
     async def _watch_disconnect(self, receive) -> None:
         while True:
@@ -58,22 +68,22 @@ class CompletionResponse:
             if message["type"] == "http.disconnect":
                 if not self.tracker.responded:
                     self.tracker.disconnected = True
-                    self.job.runtime.abort(self.job.request_id)
+                    self._engine.abort(self.job.request_id)
                 return
 
     def _drop(self) -> None:
         self.tracker.dropped = True
-        self.job.runtime.abort(self.job.request_id)
+        self._engine.abort(self.job.request_id)
         log.warning(
             "dropped request %s of tenant %s: its client read nothing for %.1fs",
             self.job.request_id,
             self.job.tenant_name,
-            self.job.runtime.settings.client_timeout_s,
+            self._client_timeout_s,
         )
 
     async def _send(self, send, message: dict) -> None:
         try:
-            await asyncio.wait_for(send(message), self.job.runtime.settings.client_timeout_s)
+            await asyncio.wait_for(send(message), self._client_timeout_s)
         except TimeoutError:
             raise ClientTooSlow from None
 
@@ -85,7 +95,7 @@ class CompletionResponse:
     async def _body(self, send, data: bytes, more: bool = True) -> None:
         await self._send(send, {"type": "http.response.body", "body": data, "more_body": more})
 
-    async def _consume(self, emit: Callable[[RequestOutput], Awaitable[None]]) -> None:
+    async def _consume(self, emit: Callable[[RequestOutput], Awaitable[None]] | None = None) -> None:
         """Read the engine's deltas to the last one, handing each to ``emit`` while the client is there.
 
         A client that leaves or stalls has its request aborted; reading goes on until the engine's final
@@ -94,13 +104,13 @@ class CompletionResponse:
         early (an error here) aborts the request in the engine too.
         """
         try:
-            async with contextlib.aclosing(self.job.runtime.generate(self.job)) as outputs:
+            async with contextlib.aclosing(self._generate()) as outputs:
                 async for delta in outputs:
-                    out = await self.job.output.bound(self.job, delta, extend=not self.tracker.gone)
+                    out = await self._bounded(delta)
                     if out is None:
                         continue
                     self.tracker.update(out)
-                    if self.tracker.gone:
+                    if self.tracker.gone or emit is None:
                         continue
                     try:
                         await emit(out)
@@ -110,19 +120,57 @@ class CompletionResponse:
             log.exception("request %s failed in the engine", self.job.request_id)
             self.tracker.fail(str(exc))
 
+    def _generate(self) -> AsyncIterator[RequestOutput]:
+        job = self.job
+        return self._engine.generate(
+            job.request_id,
+            job.prompt_ids,
+            job.params,
+            tenant_id=str(job.tenant_id),
+            priority=0,
+            tpot_target_s=job.tpot_target_s,
+            weight=job.weight,
+            start_within_s=job.start_within_s,
+        )
+
+    async def _bounded(self, delta: RequestOutput) -> RequestOutput | None:
+        """``delta`` held to the output reserved, which grows first while the client is there; a delta cut
+        short of the engine's end stops the engine request too."""
+        allowance = self.job.output
+        extra = 0 if self.tracker.gone else allowance.wanted(delta.output_tokens)
+        if extra:
+            allowance.grant(extra, await self._settlement.extend(self.job, extra))
+        out = allowance.bound(delta, self._engine.tokenizer, self.job.prompt_ids)
+        if out is not None and out.finished and not delta.finished:
+            self._engine.abort(self.job.request_id)
+        return out
+
     async def _stream(self, send) -> None:
+        """The stream opens with the first text (or the end), so a request refused before it started
+        gets a plain 503 rather than a 200 stream that carries an error."""
         shape = self.job.shape
+        opened = False
+
+        async def open_stream() -> None:
+            nonlocal opened
+            if not opened:
+                opened = True
+                await self._start(send, 200, _SSE_HEADERS)
+                if shape.chat:
+                    await self._body(send, sse(shape.chunk("", first=True)))
 
         async def emit(out: RequestOutput) -> None:
             if out.text or self.tracker.completed:
+                await open_stream()
                 await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
 
-        await self._start(send, 200, _SSE_HEADERS)
-        if shape.chat:
-            await self._body(send, sse(shape.chunk("", first=True)))
         await self._consume(emit)
         if self.tracker.gone:
             return
+        if self.tracker.refused:
+            await self._answer(send, self.tracker.error())
+            return
+        await open_stream()
         if not self.tracker.completed:  # failed after the stream started: an error event, then the end
             await self._body(send, sse(self.tracker.error().body()))
         elif shape.include_usage:
@@ -131,20 +179,23 @@ class CompletionResponse:
         await self._body(send, DONE, more=False)
 
     async def _respond(self, send) -> None:
-        parts: list[str] = []
-
-        async def emit(out: RequestOutput) -> None:
-            parts.append(out.text)
-
-        await self._consume(emit)
+        await self._consume()  # the answer is the tracker's merged text, sent once complete
         if self.tracker.gone:
             return
         if self.tracker.completed:
-            status = 200
-            body = self.job.shape.completion("".join(parts), self.tracker.finish_reason, self.tracker.usage())
+            body = self.job.shape.completion(
+                self.tracker.total.text, self.tracker.finish_reason, self.tracker.usage()
+            )
+            await self._answer(send, None, body)
         else:
-            error: APIError = self.tracker.error()
-            status, body = error.status, error.body()
+            await self._answer(send, self.tracker.error())
+
+    async def _answer(self, send, error: APIError | None, body: dict | None = None) -> None:
+        """The whole answer as one JSON body: ``body`` with 200, or ``error`` with its status and headers."""
         self.tracker.responded = True
-        await self._start(send, status, _JSON_HEADERS)
+        status, headers = 200, _JSON_HEADERS
+        if error is not None:
+            status, body = error.status, error.body()
+            headers = [*headers, *((k.encode(), v.encode()) for k, v in error.headers.items())]
+        await self._start(send, status, headers)
         await self._body(send, json_bytes(body), more=False)

@@ -29,10 +29,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from api.metrics import Metrics
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from pathlib import Path
 
+    from api.tenant_store import TenantStore
     from engine.types import EngineStats
-    from tenants.usage import UsageWriter
 
 log = logging.getLogger("weir.telemetry")
 
@@ -116,17 +116,17 @@ class Telemetry:
         """Every metric in Prometheus' text exposition format."""
         return generate_latest(self.registry)
 
-    def observe(self, stats: Callable[[], EngineStats], usage: UsageWriter, db: AsyncEngine) -> None:
-        """Start reading the engine's stats and the ledger writer into gauges, and tracing ``db``'s SQL
-        statements when traces are exported."""
+    def observe(self, stats: Callable[[], EngineStats], store: TenantStore, spill_dir: Path) -> None:
+        """Start reading the engine's stats and the ledger's backlog and spill files into gauges, and
+        tracing the store's SQL statements when traces are exported."""
         self.metrics.observe_engine(self.meter, stats)
-        self.metrics.observe_ledger(self.meter, usage)
+        self.metrics.observe_ledger(self.meter, store.ledger_backlog, spill_dir)
         if not self.trace_exporters:
             return
         from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
 
         SQLAlchemyInstrumentor().instrument(
-            engine=db.sync_engine,
+            engine=store.db.sync_engine,
             tracer_provider=self.tracer_provider,
             meter_provider=self.meter_provider,
             skip_dep_check=True,  # it names SQLAlchemy < 2.1; the engine events it uses are unchanged in 2.1

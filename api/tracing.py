@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from api.metering import Tracker
     from api.schemas import SamplingFields
     from api.telemetry import Telemetry
+    from engine.cost import CostWeights
     from tenants.auth import Principal
 
 PROVIDER = "weir"
@@ -58,7 +59,7 @@ def reservation() -> Iterator[None]:
         yield
 
 
-async def settled(settlement: Awaitable[None], tracker: Tracker, cost: float) -> None:
+async def settled(settlement: Awaitable[None], tracker: Tracker, weights: CostWeights) -> None:
     """Run ``settlement`` in a ``settlement`` span, then end the request's telemetry."""
     request = _current.get()
     if request is None:
@@ -66,7 +67,7 @@ async def settled(settlement: Awaitable[None], tracker: Tracker, cost: float) ->
         return
     with request.child("settlement"):
         await settlement
-    request.finish(tracker, cost)
+    request.finish(tracker, 0.0 if tracker.refused else tracker.cost(weights))
 
 
 def _epoch_ns(monotonic_s: float) -> int:
@@ -157,40 +158,44 @@ class RequestTrace:
         if timings["queue_s"] is not None:
             metrics.queue_time.record(timings["queue_s"], attributes)
         metrics.tokens.record(tracker.prompt_tokens, attributes | {"gen_ai.token.type": "input"})
-        metrics.tokens.record(tracker.output_tokens, attributes | {"gen_ai.token.type": "output"})
+        metrics.tokens.record(tracker.total.output_tokens, attributes | {"gen_ai.token.type": "output"})
 
     def finish(self, tracker: Tracker, cost: float) -> None:
-        """End the request: response attributes, the queue span and first-token event, metrics, log line."""
-        status, finish_reason = tracker.outcome()
-        if status != "ok":
+        """End the request: response attributes, the queue span and first-token event, metrics, log line.
+        A request refused unstarted (its start deadline passed) counts only as a refusal (``refused``)."""
+        status, finish_reason = ("refused", tracker.finish_reason) if tracker.refused else tracker.outcome()
+        if status not in ("ok", "refused"):
             self.error_type = _ending(tracker)
         attributes = self._metric_attributes()
-        self._record(attributes, tracker)
-        metrics = self.telemetry.metrics
-        metrics.cost.add(cost, {TENANT: attributes[TENANT]})
-        metrics.request_cost.record(cost, {TENANT: attributes[TENANT]})
-        metrics.finished.add(1, attributes | {"weir.request.status": status})
+        if tracker.refused:
+            self._record(attributes)
+        else:
+            self._record(attributes, tracker)
+            metrics = self.telemetry.metrics
+            metrics.cost.add(cost, {TENANT: attributes[TENANT]})
+            metrics.request_cost.record(cost, {TENANT: attributes[TENANT]})
+            metrics.finished.add(1, attributes | {"weir.request.status": status})
         if self.span.is_recording():
             self._end_span(tracker, cost)
         log_request(self._log_fields(tracker, cost, status, finish_reason))
 
     def _end_span(self, tracker: Tracker, cost: float) -> None:
-        span, job, timings = self.span, tracker.job, tracker.timings()
-        if tracker.arrival_time is not None and tracker.queue_time is not None:
-            start = _epoch_ns(tracker.arrival_time)
+        span, job, total, timings = self.span, tracker.job, tracker.total, tracker.timings()
+        if total.arrival_time is not None and total.queue_time is not None:
+            start = _epoch_ns(total.arrival_time)
             queue = self.telemetry.tracer.start_span(
                 "queue", context=trace.set_span_in_context(span), start_time=start
             )
-            queue.end(end_time=start + int(tracker.queue_time * 1e9))
-        if tracker.first_token_time is not None:
-            span.add_event("gen_ai.first_token", timestamp=_epoch_ns(tracker.first_token_time))
+            queue.end(end_time=start + int(total.queue_time * 1e9))
+        if total.first_token_time is not None:
+            span.add_event("gen_ai.first_token", timestamp=_epoch_ns(total.first_token_time))
         attributes = {
             "gen_ai.response.id": job.request_id,
             "gen_ai.response.model": self.model,
             "gen_ai.response.finish_reasons": [tracker.finish_reason or "error"],
             "gen_ai.usage.input_tokens": tracker.prompt_tokens,
-            "gen_ai.usage.output_tokens": tracker.output_tokens,
-            "gen_ai.usage.cache_read.input_tokens": tracker.cached_tokens,
+            "gen_ai.usage.output_tokens": total.output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": total.cached_tokens,
             "gen_ai.request.max_tokens": job.params.max_tokens,
             "weir.cost_units": cost,
             "weir.queue_time_s": timings["queue_s"],
@@ -218,8 +223,8 @@ class RequestTrace:
             "finish_reason": finish_reason,
             "error_type": self.error_type,
             "prompt_tokens": tracker.prompt_tokens if tracker else 0,
-            "cached_tokens": tracker.cached_tokens if tracker else 0,
-            "output_tokens": tracker.output_tokens if tracker else 0,
+            "cached_tokens": tracker.total.cached_tokens if tracker else 0,
+            "output_tokens": tracker.total.output_tokens if tracker else 0,
             "cost": cost,
         }
         if tracker is not None:

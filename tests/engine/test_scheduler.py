@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -160,3 +161,20 @@ def test_prefill_beside_decodes_fits_their_tightest_time_per_token_target() -> N
     assert step(scheduler).num_prefill_tokens == MIN_PREFILL_TOKENS
     fast.tpot_target_s = slow.tpot_target_s = None  # no targets: the whole budget
     assert step(scheduler).num_prefill_tokens == 256
+
+
+def test_a_request_past_its_start_deadline_is_refused_unstarted_and_a_started_one_is_kept() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    running = add(scheduler, "running", 8, 0.0)
+    step(scheduler)
+    running.start_deadline = time.monotonic() - 1.0  # passed, but it has started: it keeps running
+    late = add(scheduler, "late", 8, 1.0)
+    late.start_deadline = time.monotonic() - 1.0
+    patient = add(scheduler, "patient", 8, 2.0)
+    patient.start_deadline = time.monotonic() + 3600.0
+    plan = step(scheduler)
+    assert plan.rejected == [late]
+    assert late.finish_reason == "deadline" and "deadline" in late.error
+    assert late.first_scheduled_time is None and "late" not in scheduler.kv.block_tables
+    assert running.status is SequenceStatus.RUNNING and patient in scheduler.waiting
+    assert late not in scheduler.waiting

@@ -1,0 +1,70 @@
+"""The parts one API process runs, built once by ``create_app`` and started in its lifespan.
+
+``Services`` wires the engine, the tenant store, admission and settlement together and owns their order:
+the engine and the store start before the process is ready; on shutdown every settlement in flight ends
+before the store closes, and the engine stops last.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from api.admission import Admission
+from api.refusals import model_not_found, not_ready
+from api.settings import Settings
+from api.settlement import Settlement
+from api.tenant_store import TenantStore
+from engine.client import AsyncEngine
+
+log = logging.getLogger("weir.api")
+
+
+class ServedModel:
+    """The model this process serves, under the name clients send."""
+
+    def __init__(self, engine: AsyncEngine, name: str | None) -> None:
+        self._engine = engine
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        """``--model-name``, else the model directory's name (known once the engine started)."""
+        return self._name or self._engine.model_name
+
+    def check(self, model: str) -> None:
+        """404 unless ``model`` is the name this server serves."""
+        if model != self.name:
+            raise model_not_found(model, self.name)
+
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "weir"}
+
+
+class Services:
+    """Engine, tenant store, admission and settlement of one API process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = AsyncEngine(settings.engine)
+        self.model = ServedModel(self.engine, settings.model_name)
+        self.store = TenantStore(settings.database_url, settings.state_dir / "spill")
+        self.admission = Admission(self.engine, self.model, self.store, settings)
+        self.settlement = Settlement(self.store, self.engine, settings.weights)
+        self.ready = False
+
+    async def start(self) -> None:
+        await self.engine.start()
+        await self.store.open()
+        self.ready = True
+        log.info("serving model %s", self.model.name)
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.settlement.drain()
+        await self.store.close()
+        await self.engine.stop()
+
+    def check_ready(self) -> None:
+        """503 until the model is loaded and the tenant store open."""
+        if not self.ready:
+            raise not_ready()
