@@ -56,6 +56,11 @@ class WeirProcess:
         """The server process's resident set size (``VmRSS`` of ``/proc/<pid>/status``)."""
         return read_rss_bytes(self.process.pid)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used, user and system, all its threads."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     async def engine_stats(self, client: httpx.AsyncClient) -> dict:
         """``GET /admin/api/engine``: the engine's running/waiting counts, KV blocks and the API counters."""
         response = await client.get(f"{self.base_url}/admin/api/engine", headers=self.admin_headers)
