@@ -179,6 +179,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"weir serve: error: --deadline-grace must be non-negative, got {args.deadline_grace}"
         )
+    from api.telemetry import check_environment
+
+    try:
+        check_environment(os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
     from engine.policies import POLICIES
     from engine.weights import resolve_model_dir
 
@@ -248,12 +254,8 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
     from api.http_protocol import limited_protocol
 
     configure_logging(settings.log_format, log_level)
-    try:
-        app = create_app(settings)
-    except ValueError as exc:  # telemetry's OTEL_* variables
-        raise SystemExit(f"weir serve: error: {exc}") from None
     config = uvicorn.Config(
-        app,
+        create_app(settings),
         host=settings.host,
         port=settings.port,
         http=limited_protocol(limits, settings.send_buffer_bytes),

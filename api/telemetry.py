@@ -68,6 +68,13 @@ def _check_protocol(environ: Mapping[str, str], signal: str) -> None:
         raise ValueError(f"OTLP protocol {protocol!r} is not supported; use http/protobuf")
 
 
+def check_environment(environ: Mapping[str, str]) -> None:
+    """``ValueError`` naming the first ``OTEL_*`` setting Weir cannot follow (an exporter, a protocol)."""
+    for signal, allowed in (("TRACES", EXPORTERS), ("METRICS", METRICS_EXPORTERS)):
+        if "otlp" in exporters_from_env(environ, signal, allowed):
+            _check_protocol(environ, signal)
+
+
 class Telemetry:
     """The tracer and meter providers of one process and what they export to."""
 
