@@ -38,14 +38,15 @@ def server(
     receiver: Receiver,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ApiServer]:
-    """``weir serve`` exporting traces and metrics by OTLP to ``receiver``, logging JSON."""
+    """``weir serve`` exporting traces and metrics by OTLP to ``receiver``, logging JSON, with a public
+    ``/metrics``."""
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_SERVICE_NAME": "weir-test",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_METRIC_EXPORT_INTERVAL": "500",
     }
-    options = ["--kv-cache-memory", "8", "--log-format", "json", "--log-level", "info"]
+    options = ["--kv-cache-memory", "8", "--log-format", "json", "--log-level", "info", "--metrics-public"]
     with (
         copy_of_template(pg_server_url, migrated_template, prefix="weir_otel") as url,
         serving(tiny_model_dir, url, tmp_path_factory.mktemp("otel-state"), *options, env=env) as server,
@@ -212,10 +213,8 @@ def test_disconnected_request_ends_cancelled(server: ApiServer, receiver: Receiv
 
 
 def _metrics(server: ApiServer) -> dict[str, list]:
-    """Every sample of ``GET /metrics`` by sample name."""
-    response = httpx.get(
-        f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {server.admin_token}"}
-    )
+    """Every sample of ``GET /metrics`` (public on this server) by sample name."""
+    response = httpx.get(f"{server.base_url}/metrics")
     assert response.status_code == 200
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(response.text):
@@ -229,11 +228,20 @@ def _value(samples: dict[str, list], name: str, **labels: str) -> float:
     return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_metrics_count_the_requests_sent(server: ApiServer, receiver: Receiver) -> None:
-    refused = httpx.get(f"{server.base_url}/metrics")
-    assert refused.status_code == 401
-    assert refused.json()["error"]["code"] == "invalid_admin_token"
+def test_metrics_need_the_admin_token_unless_public(api_server: ApiServer) -> None:
+    url = f"{api_server.base_url}/metrics"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = httpx.get(url, headers=headers)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_admin_token"
+    response = httpx.get(url, headers={"Authorization": f"Bearer {api_server.admin_token}"})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    names = {family.name for family in text_string_to_metric_families(response.text)}
+    assert {"weir_engine_kv_blocks_total", "weir_ledger_backlog"} <= names
 
+
+def test_metrics_count_the_requests_sent(server: ApiServer, receiver: Receiver) -> None:
     tenant, key = _tenant(server)
     client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
     model = _model(server)
