@@ -47,7 +47,7 @@ def configure_logging(log_format: str, level: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(levelname)-8s %(name)s: %(message)s"))
-        _request_log.disabled = True
+    _request_log.disabled = log_format != "json"
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
 from api.metrics import OTHER_TENANTS, TenantLabels
+from api.request_log import JsonFormatter
 from api.telemetry import EXPORTERS, METRICS_EXPORTERS, Telemetry, exporters_from_env
 
 
@@ -63,3 +67,16 @@ def test_tenants_past_the_cap_are_other() -> None:
     labels = TenantLabels(cap=2)
     seen = [labels(name) for name in ("a", "b", "c", "a", "d", "b")]
     assert seen == ["a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+
+
+def test_json_lines_carry_the_trace_id_inside_a_span() -> None:
+    telemetry = Telemetry(environ={}, trace_ids=True)
+    formatter = JsonFormatter()
+    fields = {"name": "weir.api", "levelname": "INFO", "msg": "hello %s", "args": ("x",)}
+    record = logging.makeLogRecord(fields)
+    assert "trace_id" not in json.loads(formatter.format(record))
+    with telemetry.tracer.start_as_current_span("request") as span:
+        record.tenant = "acme"
+        line = json.loads(formatter.format(record))
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert (line["message"], line["level"], line["tenant"]) == ("hello x", "info", "acme")
