@@ -146,13 +146,20 @@ class Telemetry:
         self.meter_provider.shutdown()
 
 
+def _otlp_endpoint(environ: Mapping[str, str], signal: str) -> str | None:
+    """The signal's OTLP/HTTP URL: its own variable as given, else the base endpoint + ``/v1/<signal>``."""
+    own = environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return own or (f"{base.rstrip('/')}/v1/{signal.lower()}" if base else None)
+
+
 def _span_exporter(name: str, environ: Mapping[str, str]):
     if name == "console":
         return ConsoleSpanExporter()
     _check_protocol(environ, "TRACES")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter()
+    return OTLPSpanExporter(endpoint=_otlp_endpoint(environ, "TRACES"))
 
 
 def _metric_exporter(name: str, environ: Mapping[str, str]):
@@ -161,4 +168,4 @@ def _metric_exporter(name: str, environ: Mapping[str, str]):
     _check_protocol(environ, "METRICS")
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-    return OTLPMetricExporter()
+    return OTLPMetricExporter(endpoint=_otlp_endpoint(environ, "METRICS"))

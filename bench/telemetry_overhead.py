@@ -29,11 +29,13 @@ from bench.report import format_table, progress, publish
 from bench.serve import build_load
 from bench.soak import soak_database
 from bench.soak_ledger import create_soak_tenants
+from bench.telemetry_work import cpu_us_per_request
 from bench.weir_process import ServerError, weir_serve
 from bench.workload import FULL, QUICK, WorkloadSpec
 
 MODES = ("off", "on")
 TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
+WORK_REQUESTS = 2000  # requests of the in-process timing of telemetry's own work
 UNBOUNDED_TTFT_S = 3600.0  # the tenants' TTFT target: nothing is shed, both modes do the same work
 
 
@@ -61,6 +63,10 @@ def run(args: argparse.Namespace) -> dict:
         ExitStack() as stack,
     ):
         keys = asyncio.run(create_soak_tenants(url, ttft_target_s=UNBOUNDED_TTFT_S)).keys
+        progress(f"timing telemetry's own work over {WORK_REQUESTS} requests in this process")
+        work_us = {"off": cpu_us_per_request(None, WORK_REQUESTS)}
+        work_us["on"] = cpu_us_per_request(receiver.endpoint, WORK_REQUESTS)
+        spans_before = len(receiver.snapshot())
         servers = {}
         for mode in MODES:
             env, options = _server_env(mode, receiver)
@@ -85,9 +91,10 @@ def run(args: argparse.Namespace) -> dict:
                 summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
                 cpu = servers[mode].cpu_seconds() - cpu_before
                 summary["cpu_ms_per_output_token"] = round(1000 * cpu / max(summary["output_tokens"], 1), 3)
+                summary["cpu_ms_per_request"] = round(1000 * cpu / max(summary["completed"], 1), 3)
                 runs[mode].append(summary)
         metric_names = sorted(receiver.metric_names)
-        spans = len(receiver.snapshot())
+        spans = len(receiver.snapshot()) - spans_before
     medians = {mode: _medians(runs[mode]) for mode in MODES}
     off, on = medians["off"], medians["on"]
     return {
@@ -110,6 +117,10 @@ def run(args: argparse.Namespace) -> dict:
         },
         "otlp_metrics_received": metric_names,
         "otlp_spans_received": spans,
+        "telemetry_cpu_us_per_request": {mode: round(us, 1) for mode, us in work_us.items()},
+        "telemetry_share_of_request_cpu_pct": round(
+            100 * (work_us["on"] - work_us["off"]) / (1000 * off["cpu_ms_per_request"]), 3
+        ),
     }
 
 
@@ -119,6 +130,7 @@ def _medians(summaries: list[dict]) -> dict:
         "ttft_p50_ms": statistics.median(s["ttft_ms"]["p50"] for s in summaries),
         "tpot_p50_ms": statistics.median(s["tpot_ms"]["p50"] for s in summaries),
         "cpu_ms_per_output_token": statistics.median(s["cpu_ms_per_output_token"] for s in summaries),
+        "cpu_ms_per_request": statistics.median(s["cpu_ms_per_request"] for s in summaries),
         "completed": min(s["completed"] for s in summaries),
     }
 
@@ -148,7 +160,7 @@ def render(result: dict) -> str:
         m = result["medians"][mode]
         figures = [m["output_tokens_per_s"], m["ttft_p50_ms"], m["tpot_p50_ms"], m["cpu_ms_per_output_token"]]
         rows.append(["median", mode, m["completed"], *figures])
-    diff = result["difference_pct"]
+    diff, work = result["difference_pct"], result["telemetry_cpu_us_per_request"]
     verdict = abs(diff["output_tokens_per_s"]) < TARGET_PCT and abs(diff["ttft_p50_ms"]) < TARGET_PCT
     return "\n".join(
         [
@@ -160,6 +172,9 @@ def render(result: dict) -> str:
             f"{diff['cpu_ms_per_output_token']:+.2f} %",
             f"received by OTLP: {result['otlp_spans_received']} spans, "
             f"{len(result['otlp_metrics_received'])} metric names",
+            f"telemetry's own CPU per request (in process): off {work['off']} us, on {work['on']} us; "
+            f"on adds {result['telemetry_share_of_request_cpu_pct']} % to the off server's "
+            f"{result['medians']['off']['cpu_ms_per_request']} ms of CPU per request",
         ]
     )
 
