@@ -11,10 +11,17 @@ from litestar.response import Stream, Template
 from dashboard.access import PREFIX, Dashboard, Refused
 from dashboard.ranges import parse_moment
 from tenants.admin import get_tenant, list_tenants
-from tenants.exports import FocusSettings, check_range, csv_chunks, export_rows, focus_chunks, jsonl_chunks
+from tenants.exports import (
+    GRANULARITIES,
+    FocusSettings,
+    check_range,
+    csv_chunks,
+    export_rows,
+    focus_chunks,
+    jsonl_chunks,
+)
 
 FORMATS = {"usage.csv": "CSV", "usage.jsonl": "JSON Lines", "usage.focus.csv": "FOCUS 1.2 CSV"}
-GRANULARITIES = ("request", "hour", "day")
 
 
 @get(f"{PREFIX}/exports")
