@@ -1,4 +1,5 @@
-"""`weir bench engine|serve|latency|stops|dashboard|soak|fairness|overload`: comparison-table benchmarks.
+"""`weir bench engine|serve|latency|stops|soak|dashboard|telemetry|fairness|overload`: the benchmarks
+that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -40,6 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "fair shedding over HTTP: fcfs and fair servers at 1x-3x capacity and with a noisy tenant",
             add_overload_arguments,
         ),
+        (
+            "telemetry",
+            "the same load on weir serve with telemetry off and on (OTLP export): throughput and TTFT",
+            add_telemetry_arguments,
+        ),
     )
     for name, help_text, add_arguments in benchmarks:
         parser = kinds.add_parser(name, help=help_text)
@@ -56,6 +62,7 @@ _MODULES = {
     "dashboard": "bench.dashboard",
     "fairness": "bench.fairness",
     "overload": "bench.overload",
+    "telemetry": "bench.telemetry_overhead",
 }
 
 
@@ -304,3 +311,25 @@ def add_overload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
     )
+
+
+def add_telemetry_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=2, metavar="N", help="off/on pairs of runs (default 2)")
+    parser.add_argument("--requests", type=int, default=32, metavar="N", help="requests per run (default 32)")
+    parser.add_argument(
+        "--rate", type=float, default=8.0, metavar="R", help="arrivals per second, above capacity (default 8)"
+    )
+    parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000)
+    parser.add_argument("--slo-tpot-ms", type=float, default=200)
+    parser.add_argument("--model", metavar="PATH", help="model directory to serve (default: SmolLM2)")
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="both servers' compute dtype (default float32: auto could choose differently for each)",
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
