@@ -18,6 +18,15 @@ from tests.api.server import ApiServer
 EXAMPLES = 100  # per operation, valid and invalid cases together; derandomized, not shrunk
 MAX_OUTPUT_TOKENS = 16  # the tenant's limit bounds every generation, and is the completions' default
 BODIES = ("ChatCompletionRequest", "CompletionRequest")
+DEFAULTS_ONLY = (
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "echo",
+    "suffix",
+    "best_of",
+)
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 ERROR_LINE = re.compile(r'^(data: )?\{"error"', re.MULTILINE)  # an error body, or an error event in a stream
 
@@ -41,14 +50,15 @@ def no_error_in_answer(ctx: schemathesis.CheckContext, response: schemathesis.Re
 
 def _document(server: ApiServer) -> dict:
     """The served document narrowed so that valid bodies can succeed: the served model, and the free-form
-    fields (tools, logit_bias, ...) null, since Weir refuses most of their values; negative cases still send
-    other values there."""
+    fields (tools, logit_bias, ...) and the fields Weir accepts only at their defaults (logprobs, penalties,
+    echo, ...) null, since Weir refuses most of their values; negative cases still send other values there."""
     document = httpx.get(f"{server.base_url}/openapi.json").raise_for_status().json()
     model = httpx.get(f"{server.base_url}/readyz").json()["model"]
     for name in BODIES:
         properties = document["components"]["schemas"][name]["properties"]
         properties["model"] = {"enum": [model]}
         properties.update({field: {"type": "null"} for field, schema in properties.items() if schema == {}})
+        properties.update({field: {"type": "null"} for field in DEFAULTS_ONLY if field in properties})
     return document
 
 
