@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -27,11 +28,11 @@ def random_prompts(lengths: tuple[int, ...], seed: int, vocab_size: int = 49152)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def assert_block_references_match(kv: KVCacheManager) -> None:
-    """Every block is free or held by tables, with one reference per table that holds it; a block is in a
-    table at most once, and only prefix-cache blocks are in several."""
+def assert_block_references_match(kv: KVCacheManager, request_ids: Iterable[str]) -> None:
+    """Every block is free or held by the tables of ``request_ids``, with one reference per table that holds
+    it; a block is in a table at most once, and only prefix-cache blocks are in several."""
     owned: dict[int, int] = {}
-    for table in kv.block_tables.values():
+    for table in map(kv.table, request_ids):
         assert len(table) == len(set(table)), "a block is twice in one table"
         for block in table:
             owned[block] = owned.get(block, 0) + 1

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.cost import CostWeights
 from engine.kv_cache import KVCacheManager
 from engine.policies import FairSharePolicy, make_policy
@@ -88,19 +89,33 @@ def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
 def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4, prefix_caching=False)
     policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
-    scheduler = Scheduler(kv, policy, max_model_len=16, max_batched_tokens=16, prefill_chunk_size=16)
+    limits = EngineConfig(max_batched_tokens=16, max_num_seqs=16, prefill_chunk_size=16)
+    scheduler = Scheduler(kv, policy, limits, max_model_len=16)
     first, second = request("a", 0.0, prompt=6), request("b", 1.0, prompt=6)
     for seq in (first, second):
         scheduler.add(seq)
     token = itertools.count(50_000)
     for _ in range(12):  # both grow until blocks run out and one is preempted and recomputed
         plan = scheduler.schedule()
+        scheduler.complete(plan)  # as if the model ran the step
         for seq in plan.sample_seqs:
             scheduler.append_token(seq, next(token))
     assert scheduler.num_preemptions > 0
     for seq in (first, second):
         billed = 1 * seq.num_prompt_tokens + 2 * seq.num_output_tokens
         assert policy.counters[seq.tenant_id] == billed
+
+
+def test_prompt_tokens_are_charged_once_the_step_ran_not_when_it_is_planned() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=False)
+    policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
+    scheduler = Scheduler(kv, policy, EngineConfig(max_batched_tokens=4, max_num_seqs=4), max_model_len=32)
+    seq = request("a", 0.0, prompt=6)
+    scheduler.add(seq)
+    plan = scheduler.schedule()  # the first chunk: 4 of the 6 prompt tokens
+    assert plan.scheduled == [(seq, 4)] and policy.counters[seq.tenant_id] == 0
+    scheduler.complete(plan)
+    assert policy.counters[seq.tenant_id] == 4 and seq.num_computed_tokens == 4
 
 
 def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
