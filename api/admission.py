@@ -19,7 +19,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest
 from api.settings import Settings
 from api.tenant_store import TenantStore
 from engine.cost import CostWeights, worst_case_cost
-from engine.types import SamplingParams
+from engine.types import EngineStats, SamplingParams
 from tenants.auth import Principal
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ class Admission:
         self._model = model
         self._store = store
         self._max_waiting = settings.max_waiting
+        self._deadline_grace_s = settings.deadline_grace_s
+        self._fair = settings.engine.policy == "fair"
         self._weights = settings.weights
 
     async def admit(self, principal: Principal, body: ChatCompletionRequest | CompletionRequest) -> Job:
@@ -170,21 +172,26 @@ class Admission:
             rate_limit_headers=rate_limit_headers,
             tpot_target_s=principal.tenant.tpot_target_s,
             weight=principal.tenant.weight,
+            start_within_s=principal.tenant.ttft_target_s + self._deadline_grace_s,
         )
 
     def _shed(self, principal: Principal, prompt_len: int) -> None:
         """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
         stats = self._engine.stats()
+        tenant = str(principal.tenant_id)
         reason = None
         retry_after = 1.0
-        if stats.waiting >= self._max_waiting:
+        if self._queue_full(stats, tenant):
             reason = "queue"
-        elif stats.waiting and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free:
-            reason = "kv"  # others already wait for memory that this prompt's prefill would need too
+        elif (
+            self._waiting_ahead(stats, tenant)
+            and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free
+        ):
+            reason = "kv"  # requests served before it already wait for memory its prefill would need too
         else:
             # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
             # size only, the request runs even if it would miss its target alone.
-            estimate = self._engine.estimate_ttft(prompt_len, str(principal.tenant_id))
+            estimate = self._engine.estimate_ttft(prompt_len, tenant, principal.tenant.weight)
             target = principal.tenant.ttft_target_s
             if estimate.queued_tokens and estimate.reliable and estimate.seconds > target:
                 reason = "slo"
@@ -193,3 +200,21 @@ class Admission:
             return
         self._store.record_shed(principal.tenant_id, reason)
         raise overloaded(reason, retry_after)
+
+    def _queue_full(self, stats: EngineStats, tenant: str) -> bool:
+        """The engine's queue holds ``max_waiting`` requests and, under the fair policy, the tenant already
+        has its share of the places (``max_waiting`` over the tenants waiting, itself included): a tenant
+        flooding the queue cannot lock the others out of it (it may then exceed the cap by one place for
+        each tenant)."""
+        if stats.waiting < self._max_waiting:
+            return False
+        if not self._fair:
+            return True
+        tenants = len(stats.waiting_by_tenant.keys() | {tenant})
+        return stats.waiting_by_tenant.get(tenant, 0) >= math.ceil(self._max_waiting / tenants)
+
+    def _waiting_ahead(self, stats: EngineStats, tenant: str) -> int:
+        """Waiting requests that the policy serves before a new one of ``tenant``: all of them first come
+        first served; under the fair policy its own (the fair order takes it ahead of tenants over their
+        share)."""
+        return stats.waiting_by_tenant.get(tenant, 0) if self._fair else stats.waiting

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from api.errors import APIError
 from api.openai_format import ResponseShape, usage_dict
 from api.output_allowance import OutputAllowance
+from api.refusals import overloaded
 from engine.cost import CostWeights, request_cost
 from engine.types import RequestOutput, SamplingParams
 from tenants.quotas import Reservation
@@ -31,6 +32,9 @@ class Job:
     output: OutputAllowance  # the output tokens the reservation covers
     rate_limit_headers: dict[str, str] = field(default_factory=dict)  # the tenant's allowance at admission
     tpot_target_s: float | None = None  # the tenant's time-per-output-token target
+    start_within_s: float | None = (
+        None  # refused unstarted after this long in the queue (TTFT target + grace)
+    )
     weight: float = 1.0  # the tenant's share weight under the fair policy
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
@@ -68,6 +72,11 @@ class Tracker:
         return self.finish_reason in ("stop", "length")
 
     @property
+    def refused(self) -> bool:
+        """The engine refused the request unstarted: it waited past its start deadline."""
+        return self.finish_reason == "deadline"
+
+    @property
     def gone(self) -> bool:
         return self.disconnected or self.dropped
 
@@ -81,7 +90,9 @@ class Tracker:
         return usage_dict(self.prompt_tokens, self.total.cached_tokens, self.total.output_tokens)
 
     def error(self) -> APIError:
-        """The server-side failure of this request, in the envelope."""
+        """The server-side failure or the refusal of this request, in the envelope."""
+        if self.refused:
+            return overloaded("deadline", self.job.start_within_s or 1.0)
         detail = self.total.error or (
             "the server stopped the request"
             if self.finish_reason == "abort"

@@ -17,6 +17,7 @@ _SHED_WHY = {
     "queue": "too many requests are waiting",
     "kv": "the KV cache is full and requests wait for memory",
     "slo": "the predicted time to first token exceeds the tenant's target",
+    "deadline": "it could not start within the tenant's time to first token target",
 }
 
 
@@ -40,7 +41,7 @@ def model_not_found(model: str, served: str) -> APIError:
 
 
 def overloaded(reason: str, retry_after_s: float) -> APIError:
-    """The 503 for a request shed for ``reason`` (queue, kv, slo)."""
+    """The 503 for a request shed for ``reason`` (queue, kv, slo, deadline)."""
     return APIError(
         503,
         f"The server is overloaded and cannot start your request in time ({_SHED_WHY[reason]}). "

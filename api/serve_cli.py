@@ -59,6 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"shed new requests when this many wait in the engine (default {Settings.max_waiting})",
     )
     serve.add_argument(
+        "--deadline-grace",
+        type=float,
+        default=Settings.deadline_grace_s,
+        metavar="S",
+        help="refuse (503) a queued request not started within its tenant's TTFT target plus this many "
+        f"seconds, before any byte of its answer (default {Settings.deadline_grace_s})",
+    )
+    serve.add_argument(
         "--max-body-bytes", type=int, default=Settings.max_body_bytes, help="largest request body accepted"
     )
     _add_transport_options(serve)
@@ -133,6 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
         "keep_alive_timeout",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
+    if not args.deadline_grace >= 0:
+        raise SystemExit(
+            f"weir serve: error: --deadline-grace must be non-negative, got {args.deadline_grace}"
+        )
     from engine.policies import POLICIES
     from engine.weights import resolve_model_dir
 
@@ -171,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_timeout_s=args.client_timeout,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
+        deadline_grace_s=args.deadline_grace,
     )
     limits = TransportLimits(
         max_connections=args.max_connections,

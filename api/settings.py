@@ -25,6 +25,8 @@ class Settings:
     send_buffer_bytes: int = 16384  # unsent bytes held per connection before a slow reader blocks its stream
     max_body_bytes: int = 1_000_000
     max_waiting: int = 256  # shed (queue) when this many requests already wait in the engine
+    # refuse a queued request not started by its tenant's TTFT target plus this (never serve it late)
+    deadline_grace_s: float = 1.0
     weights: CostWeights = DEFAULT_WEIGHTS  # what reservations and the ledger count in
 
     @property

@@ -56,6 +56,11 @@ class Settlement:
 
     async def _finish(self, job: Job, tracker: Tracker) -> None:
         self.active_by_tenant[job.tenant_id] -= 1
+        if tracker.refused:  # refused unstarted, like a request shed at admission: no charge, no usage row
+            self._counts["requests_refused_deadline"] += 1
+            self._store.release(job.reservation)
+            self._store.record_shed(job.tenant_id, "deadline")
+            return
         status, finish_reason = tracker.outcome()
         self._counts[f"requests_{status}"] += 1
         if tracker.dropped:

@@ -130,6 +130,7 @@ class CompletionResponse:
             priority=0,
             tpot_target_s=job.tpot_target_s,
             weight=job.weight,
+            start_within_s=job.start_within_s,
         )
 
     async def _bounded(self, delta: RequestOutput) -> RequestOutput | None:
@@ -145,18 +146,31 @@ class CompletionResponse:
         return out
 
     async def _stream(self, send) -> None:
+        """The stream opens with the first text (or the end), so a request refused before it started
+        gets a plain 503 rather than a 200 stream that carries an error."""
         shape = self.job.shape
+        opened = False
+
+        async def open_stream() -> None:
+            nonlocal opened
+            if not opened:
+                opened = True
+                await self._start(send, 200, _SSE_HEADERS)
+                if shape.chat:
+                    await self._body(send, sse(shape.chunk("", first=True)))
 
         async def emit(out: RequestOutput) -> None:
             if out.text or self.tracker.completed:
+                await open_stream()
                 await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
 
-        await self._start(send, 200, _SSE_HEADERS)
-        if shape.chat:
-            await self._body(send, sse(shape.chunk("", first=True)))
         await self._consume(emit)
         if self.tracker.gone:
             return
+        if self.tracker.refused:
+            await self._answer(send, self.tracker.error())
+            return
+        await open_stream()
         if not self.tracker.completed:  # failed after the stream started: an error event, then the end
             await self._body(send, sse(self.tracker.error().body()))
         elif shape.include_usage:
@@ -169,13 +183,19 @@ class CompletionResponse:
         if self.tracker.gone:
             return
         if self.tracker.completed:
-            status = 200
             body = self.job.shape.completion(
                 self.tracker.total.text, self.tracker.finish_reason, self.tracker.usage()
             )
+            await self._answer(send, None, body)
         else:
-            error: APIError = self.tracker.error()
-            status, body = error.status, error.body()
+            await self._answer(send, self.tracker.error())
+
+    async def _answer(self, send, error: APIError | None, body: dict | None = None) -> None:
+        """The whole answer as one JSON body: ``body`` with 200, or ``error`` with its status and headers."""
         self.tracker.responded = True
-        await self._start(send, status, _JSON_HEADERS)
+        status, headers = 200, _JSON_HEADERS
+        if error is not None:
+            status, body = error.status, error.body()
+            headers = [*headers, *((k.encode(), v.encode()) for k, v in error.headers.items())]
+        await self._start(send, status, headers)
         await self._body(send, json_bytes(body), more=False)

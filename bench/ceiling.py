@@ -1,4 +1,4 @@
-"""The compute ceiling of a workload: its FLOPs at the machine's measured dense-matmul rate."""
+"""A workload's FLOPs and the machine's measured dense-matmul rate (the compute side of the roofline)."""
 
 from __future__ import annotations
 
@@ -93,8 +93,3 @@ def measure_matmul_flops(
         sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
-
-
-def ceiling_tokens_per_s(total_flops: int, output_tokens: int, flops_per_s: float) -> float:
-    """Output tokens per second if the workload's FLOPs ran back to back at ``flops_per_s``."""
-    return output_tokens / (total_flops / flops_per_s)

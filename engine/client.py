@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -69,7 +70,8 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self._slots: dict[str, _OutputSlot] = {}
-        self._submitted_prompt_tokens: dict[str, int] = {}  # not yet taken in by the engine thread
+        # prompt tokens and tenant of requests not yet taken in by the engine thread
+        self._submitted: dict[str, tuple[str, int]] = {}
 
     async def start(self) -> None:
         """Load the model (off the event loop) and start the engine thread."""
@@ -140,12 +142,12 @@ class AsyncEngine:
         core.check_request(prompt_token_ids, params)
         slot = _OutputSlot(asyncio.get_running_loop())
         self._slots[request_id] = slot
-        self._submitted_prompt_tokens[request_id] = len(prompt_token_ids)
+        self._submitted[request_id] = (tenant_id, len(prompt_token_ids))
         prompt = list(prompt_token_ids)
         arrival = time.monotonic()
 
         def add(core: EngineCore) -> None:
-            self._submitted_prompt_tokens.pop(request_id, None)
+            self._submitted.pop(request_id, None)
             try:
                 core.add_request(
                     request_id,
@@ -180,11 +182,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def estimate_ttft(self, prompt_tokens: int, tenant_id: str = "default") -> TTFTEstimate:
+    def estimate_ttft(
+        self, prompt_tokens: int, tenant_id: str = "default", weight: float = 1.0
+    ) -> TTFTEstimate:
         """A new request's predicted time to first token, from the prefill work queued ahead of it
         (requests submitted but not yet taken in by the engine thread included)."""
-        queued = sum(self._submitted_prompt_tokens.values())
-        return self.core.estimate_ttft(prompt_tokens, tenant_id, extra_queued=queued)
+        queued: Counter[str] = Counter()
+        for tenant, tokens in list(self._submitted.values()):
+            queued[tenant] += tokens
+        return self.core.estimate_ttft(prompt_tokens, tenant_id, weight, extra_queued=queued)
 
     def _submit(self, command: Callable[[EngineCore], None]) -> None:
         self._commands.put(command)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -163,7 +163,7 @@ class EngineCore:
         )
         if start_within_s is not None:
             seq.start_deadline = seq.arrival_time + start_within_s
-        seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id).seconds
+        seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id, weight).seconds
         self._requests[request_id] = _Request(
             seq,
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
@@ -290,6 +290,7 @@ class EngineCore:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+            waiting_by_tenant=dict(Counter(seq.tenant_id for seq in self.scheduler.waiting)),
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
             kv_blocks_cached=self.kv.allocator.num_cached,
@@ -311,11 +312,18 @@ class EngineCore:
         return stats
 
     def estimate_ttft(
-        self, prompt_tokens: int, tenant_id: str = "default", extra_queued: int = 0
+        self,
+        prompt_tokens: int,
+        tenant_id: str = "default",
+        weight: float = 1.0,
+        extra_queued: Mapping[str, int] | None = None,
     ) -> TTFTEstimate:
         """A new request's time to first token: the prefill ahead of it (per the policy) and its own,
-        beside the decodes running now, timed by the step-time model (see ``engine/step_time.py``)."""
-        ahead = self.scheduler.policy.tokens_ahead(self._queued_prefill, tenant_id) + extra_queued
+        beside the decodes running now, timed by the step-time model (see ``engine/step_time.py``).
+        ``extra_queued`` is prefill per tenant about to join the queue (submitted, not yet taken in)."""
+        queued = Counter(self._queued_prefill)
+        queued.update(extra_queued or {})
+        ahead = self.scheduler.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight)
         costs = self._step_time.costs()
         budget = self.scheduler.max_batched_tokens
         seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, budget)

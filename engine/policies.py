@@ -7,6 +7,7 @@ without touching the scheduler.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -20,16 +21,21 @@ class Policy:
 
     name: str
 
-    def pick_next(self, waiting: Seq[Sequence]) -> Sequence:
-        """The waiting sequence to admit next (``waiting`` is never empty)."""
+    def pick_next(self, waiting: Seq[Sequence], planned: Mapping[str, int] | None = None) -> Sequence:
+        """The sequence whose prefill is served next, among waiting requests and running prompts still
+        being prefilled (``waiting`` is never empty); ``planned`` is the prefill tokens per tenant already
+        planned in the step being built (charged only once it has run)."""
         raise NotImplementedError
 
     def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
         """The running sequence to preempt when KV blocks run out (``candidates`` is never empty)."""
         raise NotImplementedError
 
-    def tokens_ahead(self, queued_by_tenant: Mapping[str, int], tenant_id: str) -> int:
-        """Prefill tokens that would be served before a new request of ``tenant_id``."""
+    def tokens_ahead(
+        self, queued_by_tenant: Mapping[str, int], tenant_id: str, prompt_tokens: int = 0, weight: float = 1.0
+    ) -> int:
+        """Prefill tokens that would be served before a new request of ``tenant_id`` (whose own prompt has
+        ``prompt_tokens`` and whose share weight is ``weight``) gets its first token."""
         return sum(queued_by_tenant.values())
 
     def on_arrival(self, seq: Sequence) -> None:
@@ -54,7 +60,7 @@ class FCFSPolicy(Policy):
 
     name = "fcfs"
 
-    def pick_next(self, waiting: Seq[Sequence]) -> Sequence:
+    def pick_next(self, waiting: Seq[Sequence], planned: Mapping[str, int] | None = None) -> Sequence:
         return min(waiting, key=_fcfs_key)
 
     def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
@@ -85,23 +91,35 @@ class FairSharePolicy(Policy):
         self._idle: OrderedDict[str, None] = OrderedDict()  # tenants with a counter and no request
         self._last_served = 0.0
 
-    def pick_next(self, waiting: Seq[Sequence]) -> Sequence:
-        tenant = min({s.tenant_id for s in waiting}, key=lambda t: (self.counters.get(t, 0.0), t))
+    def pick_next(self, waiting: Seq[Sequence], planned: Mapping[str, int] | None = None) -> Sequence:
+        planned = planned or {}
+
+        def counter(t: str) -> tuple[float, str]:
+            pending = self.cost.prefill * planned.get(t, 0) / self.weights.get(t, 1.0)
+            return (self.counters.get(t, 0.0) + pending, t)
+
+        tenant = min({s.tenant_id for s in waiting}, key=counter)
         return min((s for s in waiting if s.tenant_id == tenant), key=_fcfs_key)
 
     def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
         tenant = max({s.tenant_id for s in candidates}, key=lambda t: (self.counters.get(t, 0.0), t))
         return max((s for s in candidates if s.tenant_id == tenant), key=_fcfs_key)
 
-    def tokens_ahead(self, queued_by_tenant: Mapping[str, int], tenant_id: str) -> int:
-        """The tenant's own queued prefill, and other tenants' only where their counter is not above its
-        (lifted) counter: the fair order serves those first, the others after or interleaved."""
-        mine = self._counter_on_arrival(tenant_id)
-        return sum(
-            tokens
-            for tenant, tokens in queued_by_tenant.items()
-            if tenant == tenant_id or self.counters.get(tenant, 0.0) <= mine
-        )
+    def tokens_ahead(
+        self, queued_by_tenant: Mapping[str, int], tenant_id: str, prompt_tokens: int = 0, weight: float = 1.0
+    ) -> int:
+        """The tenant's own queued prefill, and of every other tenant's only what the fair order serves
+        while the tenant's counter rises through its own queue and this prompt: another tenant gets service
+        until its counter reaches that level (prefill charged at the prefill weight, decodes ignored)."""
+        own = queued_by_tenant.get(tenant_id, 0)
+        weight = self.weights.get(tenant_id, weight) if self._active[tenant_id] else weight
+        level = self._counter_on_arrival(tenant_id) + self.cost.prefill * (own + prompt_tokens) / weight
+        ahead = own
+        for tenant, tokens in queued_by_tenant.items():
+            if tenant != tenant_id:
+                room = (level - self.counters.get(tenant, 0.0)) * self.weights.get(tenant, 1.0)
+                ahead += min(tokens, max(0, math.ceil(room / self.cost.prefill)))
+        return ahead
 
     def on_arrival(self, seq: Sequence) -> None:
         tenant = seq.tenant_id

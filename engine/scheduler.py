@@ -1,8 +1,10 @@
 """Iteration-level continuous batching: plan each engine step under a token budget.
 
-Every step, running sequences go first: decodes (one token each), then the next chunk of prompts still
-being prefilled; then waiting requests, in the policy's order, are admitted with their first prefill chunk
-while the budget, the running-sequence cap and free KV blocks allow. A prompt is cut into chunks of at most
+Every step, running decodes go first (one token each); the rest of the budget goes to prefill chunks in the
+policy's order over both the prompts already being prefilled and the waiting requests, which are admitted
+with their first chunk while the running-sequence cap and free KV blocks allow. (Ordering the chunks, not
+only the admissions, is what lets a fair policy serve a light tenant's prompt before a heavy tenant's long
+prompts that were admitted earlier.) A prompt is cut into chunks of at most
 ``prefill_chunk_size`` tokens so a long one cannot stall everyone's decoding. When a running sequence needs
 a block and none is free, the policy picks a victim, whose blocks are freed and whose tokens are recomputed
 when it is admitted again (recompute preemption).
@@ -106,22 +108,16 @@ class Scheduler:
         expired = self._refuse_expired(time.monotonic())
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[Sequence] = []
-        limit = budget = self.max_batched_tokens
-        for decode_phase in (True, False):
-            for seq in list(self.running):
-                is_decode = seq.num_uncomputed_tokens == 1
-                if seq.status is not SequenceStatus.RUNNING or is_decode != decode_phase:
-                    continue
-                if budget == 0:
-                    break
-                n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
-                if self._reserve(seq, n, planned, preempted):
-                    planned[seq.request_id] = (seq, n)
-                    budget -= n
-            if decode_phase:
-                limit = self._stall_free_limit(planned)
-            budget = max(0, limit - sum(n for _, n in planned.values()))
-        rejected = self._admit(planned, budget)
+        budget = self.max_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            is_decode = seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+            if is_decode and self._reserve(seq, 1, planned, preempted):
+                planned[seq.request_id] = (seq, 1)
+                budget -= 1
+        budget = max(0, self._stall_free_limit(planned) - len(planned))
+        rejected = self._prefill(planned, preempted, budget)
         for seq in preempted:
             self.waiting.append(seq)
         plan = self._plan(list(planned.values()))
@@ -188,34 +184,58 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.num_preemptions += 1
 
-    def _admit(self, planned: dict[str, tuple[Sequence, int]], budget: int) -> list[Sequence]:
-        """Move waiting sequences into the running set with their first chunk; return those rejected."""
+    def _prefill(
+        self, planned: dict[str, tuple[Sequence, int]], preempted: list[Sequence], budget: int
+    ) -> list[Sequence]:
+        """Fill the budget with prefill chunks, in the policy's order over the running prompts still being
+        prefilled and the waiting requests (admitted with their first chunk); return those rejected."""
         rejected: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.policy.pick_next(self.waiting)
-            if seq.num_tokens > self.max_model_len:
-                self.finish(
-                    seq,
-                    "error",
-                    f"prompt of {seq.num_tokens} tokens exceeds the engine's limit of {self.max_model_len}",
-                )
-                rejected.append(seq)
-                continue
-            seq.num_computed_tokens = self.kv.share_prefix(seq.request_id, seq.token_ids, seq.tenant_id)
-            n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
-            if not self.kv.grow(seq.request_id, seq.num_computed_tokens + n):
-                self.kv.free(seq.request_id)
-                seq.num_computed_tokens = 0
-                break
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = seq.num_computed_tokens  # billed at the cached weight by complete()
-            planned[seq.request_id] = (seq, n)
-            budget -= n
+        candidates = [s for s in self.running if s.num_uncomputed_tokens > 1 and s.request_id not in planned]
+        candidates += self.waiting
+        by_tenant: dict[str, int] = defaultdict(int)  # prefill planned so far, for the policy's order
+        admitting = True
+        while candidates and budget > 0:
+            seq = self.policy.pick_next(candidates, by_tenant)
+            candidates.remove(seq)
+            left = budget
+            if seq.status is SequenceStatus.RUNNING:
+                n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+                if self._reserve(seq, n, planned, preempted):
+                    planned[seq.request_id] = (seq, n)
+                    budget -= n
+                candidates = [c for c in candidates if c not in preempted]
+            elif admitting and len(self.running) < self.max_num_seqs:
+                admitting, budget = self._admit(seq, planned, budget, rejected)
+            by_tenant[seq.tenant_id] += left - budget
         return rejected
+
+    def _admit(
+        self, seq: Sequence, planned: dict[str, tuple[Sequence, int]], budget: int, rejected: list[Sequence]
+    ) -> tuple[bool, int]:
+        """Move a waiting sequence into the running set with its first chunk (or reject it); return whether
+        admitting may go on (False once KV blocks ran out) and the budget left."""
+        if seq.num_tokens > self.max_model_len:
+            self.finish(
+                seq,
+                "error",
+                f"prompt of {seq.num_tokens} tokens exceeds the engine's limit of {self.max_model_len}",
+            )
+            rejected.append(seq)
+            return True, budget
+        seq.num_computed_tokens = self.kv.share_prefix(seq.request_id, seq.token_ids, seq.tenant_id)
+        n = min(seq.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+        if not self.kv.grow(seq.request_id, seq.num_computed_tokens + n):
+            self.kv.free(seq.request_id)
+            seq.num_computed_tokens = 0
+            return False, budget
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = seq.num_computed_tokens  # billed at the cached weight by complete()
+        planned[seq.request_id] = (seq, n)
+        return True, budget - n
 
     @staticmethod
     def _plan(planned: list[tuple[Sequence, int]]) -> StepPlan:

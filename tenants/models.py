@@ -11,7 +11,7 @@ import sqlalchemy as sa
 metadata = sa.MetaData()
 
 TENANT_STATUSES = ("active", "suspended")
-SHED_REASONS = ("rate", "concurrency", "budget", "queue", "slo", "kv")
+SHED_REASONS = ("rate", "concurrency", "budget", "queue", "slo", "kv", "deadline")
 
 tenants = sa.Table(
     "tenants",

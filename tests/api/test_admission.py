@@ -83,5 +83,7 @@ def test_a_real_overload_still_sheds_with_slo(api_server: ApiServer, make_tenant
         error = response.json()["error"]
         assert error["code"] == "server_overloaded" and "time to first token" in error["message"]
         assert int(response.headers["retry-after"]) >= 1
-    assert set(api_server.wait_shed_reasons(tenant_id, len(shed))) == {"slo"}
+    # shed on arrival, or admitted with nothing queued ahead and then refused unstarted past the deadline
+    reasons = set(api_server.wait_shed_reasons(tenant_id, len(shed)))
+    assert "slo" in reasons and reasons <= {"slo", "deadline"}
     assert len(api_server.wait_usage(tenant_id, statuses.count(200))) == statuses.count(200)

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from bench.ceiling import ModelShape, ceiling_tokens_per_s, request_flops, workload_flops
+from bench.ceiling import ModelShape, request_flops, workload_flops
 
 
 def test_shape_flops_match_torch_flop_counter(tiny_model_dir):
@@ -34,7 +34,3 @@ def test_request_flops_sums_every_fed_token():
     assert request_flops(shape, prompt, output) == by_token
     both = workload_flops(shape, [(prompt, output), (3, 2)])
     assert both == by_token + request_flops(shape, 3, 2)
-
-
-def test_ceiling_is_output_tokens_over_flop_time():
-    assert ceiling_tokens_per_s(total_flops=6e9, output_tokens=120, flops_per_s=3e9) == 60

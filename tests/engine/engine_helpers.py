@@ -7,9 +7,12 @@ from pathlib import Path
 
 import torch
 
+from engine.batch import StepBatch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import KVCacheManager
+from engine.model_runner import step_batch
+from engine.scheduler import Scheduler, StepPlan
 
 
 def make_core(model_dir: Path, **config) -> EngineCore:
@@ -21,6 +24,14 @@ def engine_config(model_dir: Path, **config) -> EngineConfig:
     config.setdefault("num_kv_blocks", 256)
     config.setdefault("dtype", "float32")  # exact comparisons with transformers in fp32
     return EngineConfig(model=str(model_dir), device="cpu", **config)
+
+
+def run_plan(scheduler: Scheduler) -> tuple[StepPlan, StepBatch | None]:
+    """Plan a step, lay it out as the model runner would, and complete it as if the model ran."""
+    plan = scheduler.schedule()
+    batch = step_batch(plan.scheduled, scheduler.kv, torch.device("cpu")) if plan.scheduled else None
+    scheduler.complete(plan)
+    return plan, batch
 
 
 def random_prompts(lengths: tuple[int, ...], seed: int, vocab_size: int = 49152) -> list[list[int]]:

@@ -13,6 +13,7 @@ from engine.policies import FairSharePolicy, make_policy
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.types import SamplingParams
+from tests.engine.engine_helpers import run_plan
 
 _ids = itertools.count()
 
@@ -83,7 +84,9 @@ def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
     queued = {"heavy": 4000, "light": 300}
     assert policy.tokens_ahead(queued, "light") == 300  # the heavy tenant's queue is served after
     assert policy.tokens_ahead(queued, "heavy") == 4300
-    assert policy.tokens_ahead(queued, "newcomer") == 300  # lifted to the smallest active counter, light's
+    # lifted to the smallest active counter (light's): light is served while its counter catches up
+    assert policy.tokens_ahead(queued, "newcomer", prompt_tokens=100) == 100
+    assert policy.tokens_ahead(queued, "newcomer", prompt_tokens=100, weight=2.0) == 50
 
 
 def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
@@ -96,8 +99,7 @@ def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
         scheduler.add(seq)
     token = itertools.count(50_000)
     for _ in range(12):  # both grow until blocks run out and one is preempted and recomputed
-        plan = scheduler.schedule()
-        scheduler.complete(plan)  # as if the model ran the step
+        plan, _ = run_plan(scheduler)
         for seq in plan.sample_seqs:
             scheduler.append_token(seq, next(token))
     assert scheduler.num_preemptions > 0
@@ -127,3 +129,33 @@ def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
         policy.on_finish(seq)
     assert set(policy.counters) == {"t7", "t8", "t9"}
     assert make_policy("fair").name == "fair"
+
+
+def test_a_light_tenants_prompt_is_prefilled_before_a_heavy_tenants_admitted_long_prompts() -> None:
+    kv = KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False)
+    limits = EngineConfig(max_batched_tokens=64, prefill_chunk_size=32)
+    scheduler = Scheduler(kv, FairSharePolicy(), limits, max_model_len=1024)
+    heavy = [request("heavy", float(i), prompt=200) for i in range(3)]
+    for seq in heavy:
+        scheduler.add(seq)
+    first, _ = run_plan(scheduler)  # the heavy prompts are admitted and their prefill begins
+    assert first.num_prefill_tokens == 64
+    light = request("light", 10.0, prompt=24)
+    scheduler.add(light)
+    plan, batch = run_plan(scheduler)
+    served = dict(zip(batch.query_lens, batch.context_lens, strict=True))
+    assert light.num_computed_tokens == 24 and 24 in served  # all of the light prompt, in this step
+    assert plan.num_prefill_tokens == 64  # and the heavy prompts take the rest of the budget
+    fcfs = Scheduler(
+        KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False),
+        make_policy("fcfs"),
+        limits,
+        max_model_len=1024,
+    )
+    for seq in [request("heavy", float(i), prompt=200) for i in range(3)]:
+        fcfs.add(seq)
+    run_plan(fcfs)
+    late = request("light", 10.0, prompt=24)
+    fcfs.add(late)
+    run_plan(fcfs)
+    assert late.num_computed_tokens == 0  # first come, first served: it waits behind the heavy prompts

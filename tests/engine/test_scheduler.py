@@ -6,17 +6,16 @@ import itertools
 import time
 
 import pytest
-import torch
 
 from engine.batch import StepBatch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import step_batch
 from engine.policies import FCFSPolicy, make_policy
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_time import StepCosts
 from engine.types import SamplingParams
+from tests.engine.engine_helpers import run_plan
 
 
 def make_scheduler(
@@ -45,11 +44,9 @@ def add(scheduler: Scheduler, request_id: str, prompt_len: int, arrival: float) 
 
 
 def step(scheduler: Scheduler) -> tuple[StepPlan, StepBatch | None]:
-    """Plan a step, lay it out as the model runner would, complete it as if the model ran, and append a
-    made-up token to every sequence whose logits it yields."""
-    plan = scheduler.schedule()
-    batch = step_batch(plan.scheduled, scheduler.kv, torch.device("cpu")) if plan.scheduled else None
-    scheduler.complete(plan)
+    """Run a planned step (``run_plan``) and append a made-up token to every sequence whose logits it
+    yields."""
+    plan, batch = run_plan(scheduler)
     for seq in plan.sample_seqs:
         scheduler.append_token(seq, 7)
     return plan, batch
