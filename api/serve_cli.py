@@ -1,4 +1,4 @@
-"""``weir serve`` (the API) and ``weir demo`` (a first tenant and its key)."""
+"""``weir serve`` (the API) and ``weir demo`` (a first tenant and its key, or a week of synthetic usage)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     demo = subparsers.add_parser(
         "demo", help="create a demo tenant and API key if no tenant exists (prints the key once)"
+    )
+    demo.add_argument(
+        "--traffic",
+        action="store_true",
+        help="instead, fill the database with a week of synthetic usage and refusals for a few tenants",
+    )
+    demo.add_argument("--days", type=int, default=7, help="with --traffic: days of usage (default 7)")
+    demo.add_argument(
+        "--requests", type=int, default=50_000, help="with --traffic: requests in all (default 50,000)"
     )
     demo.set_defaults(func=_demo)
 
@@ -232,6 +241,8 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
 def _demo(args: argparse.Namespace) -> int:
     import asyncio
 
-    from api.demo import ensure_demo_tenant
+    from api.demo import ensure_demo_tenant, seed_traffic
 
+    if args.traffic:
+        return asyncio.run(seed_traffic(args.days, args.requests))
     return asyncio.run(ensure_demo_tenant())

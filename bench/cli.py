@@ -1,4 +1,4 @@
-"""`weir bench engine|serve|latency|stops|soak`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|latency|stops|soak|dashboard`: the benchmarks that print comparison tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             add_latency_arguments,
         ),
         ("stops", "stop-string matching: time per token as the output grows", add_stops_arguments),
+        ("dashboard", "admin pages and the billing export on a million-row ledger", add_dashboard_arguments),
         (
             "soak",
             "a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows",
@@ -42,11 +43,20 @@ _MODULES = {
     "latency": "bench.latency_bench",
     "stops": "bench.stop_matching",
     "soak": "bench.soak",
+    "dashboard": "bench.dashboard",
 }
 
 
 def _run(module: str, args: argparse.Namespace) -> int:
     return importlib.import_module(module).main(args)
+
+
+def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=1_000_000, help="ledger rows (default 1,000,000)")
+    parser.add_argument("--days", type=int, default=30, help="days the ledger spans (default 30)")
+    parser.add_argument("--tenants", type=int, default=50, help="tenants (default 50)")
+    parser.add_argument("--repeat", type=int, default=20, help="timed loads of each page (default 20)")
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
 
 
 def add_stops_arguments(parser: argparse.ArgumentParser) -> None:

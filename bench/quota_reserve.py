@@ -35,7 +35,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import format_table  # noqa: E402
-from tenants.db import create_engine, database_url, upgrade_to_head, with_database  # noqa: E402
+from bench.scratch_db import scratch_database  # noqa: E402
+from tenants.db import create_engine  # noqa: E402
 from tenants.quotas import ACQUIRE_SQL, RETURN_SQL, QuotaManager, Reservation, quota_engine  # noqa: E402
 
 if TYPE_CHECKING:
@@ -195,19 +196,6 @@ async def _setup(url: str, tenants: int) -> tuple[list[int], int]:
     return spread, hot
 
 
-async def _admin(server_url: str, statement: str) -> None:
-    import asyncpg
-    from sqlalchemy.engine import make_url
-
-    conn = await asyncpg.connect(
-        make_url(server_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    )
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
@@ -218,13 +206,8 @@ def main() -> int:
     if args.seconds <= 0 or args.concurrency < 1 or args.tenants < 1:
         raise SystemExit("quota_reserve: error: --seconds, --concurrency and --tenants must be positive")
 
-    server_url = database_url()
-    name = f"weir_bench_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(server_url, f'CREATE DATABASE "{name}"'))
-    url = with_database(server_url, name)
     results: list[Result] = []
-    try:
-        upgrade_to_head(url)
+    with scratch_database() as url:
         spread, hot = asyncio.run(_setup(url, args.tenants))
         designs = ["leased"] if args.skip_direct else ["leased", "direct"]
         for design in designs:
@@ -239,8 +222,6 @@ def main() -> int:
                         flush=True,
                     )
                     results.append(result)
-    finally:
-        asyncio.run(_admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
     print(
         f"quota reserve+settle, {args.concurrency} coroutines per process, {args.seconds:g} s per run, "

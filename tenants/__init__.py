@@ -41,13 +41,26 @@ Public API (stable; import from the submodules):
     finish_reason, queue_s, ttft_s, tpot_s, e2e_s, started_at, finished_at), ``ShedEvent``;
     ``UsageWriter(engine, spill_dir=None)`` (default ``<WEIR_STATE_DIR>/spill``; use it from one event
     loop): ``submit(event)`` (never blocks or raises on an outage; ``ValueError`` for a malformed event),
-    ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv), ``start()``,
+    ``record_shed(tenant_id, reason)`` (rate, concurrency, budget, queue, slo, kv, deadline), ``start()``,
     ``await flush()``, ``await close()``, ``await replay_spill()``.
 ``tenants.queries``
     ``usage_by_day``, ``latency_percentiles``, ``shed_counts`` (engine, since, until=None, tenant_id=None).
+``tenants.reporting`` (the dashboard's figures; reads rollups for whole hours and days)
+    ``Window(since, until)``, ``overview(db, window, tenant_id=None) -> UsageFigures``,
+    ``tenant_table(db, window) -> [TenantFigures]``, ``tenant_series(db, tenant_id, window, "hour"|"day")
+    -> [SeriesPoint]``, ``ledger_page(db, LedgerFilter, before, limit) -> ([LedgerRow], cursor)``,
+    ``ledger_entry(db, request_id) -> LedgerRow | None``.
+``tenants.rollups``
+    ``refresh_rollups(db)`` (recompute marked hours and their days), ``percentile(histogram, q)``.
+``tenants.exports``
+    ``export_rows(db, since, until, "request"|"hour"|"day", tenant_id=None) -> Export`` (``async for`` gives
+    ``ExportRow``), ``csv_chunks(export)``, ``jsonl_chunks(export)``, ``focus_chunks(export, FocusSettings)``
+    (async iterators of text), ``check_range``; docs/billing.md.
+``tenants.traffic``
+    ``fill(db, tenants, since, until, requests)``: synthetic usage for the demo and the benchmark.
 ``tenants.cli``
     ``register(subparsers)``: ``weir db upgrade|downgrade|stop|url``, ``weir tenant create|list|show|update|
-    suspend|resume``, ``weir key create|list|revoke``, ``weir usage show``.
+    suspend|resume``, ``weir key create|list|revoke``, ``weir usage show|export``.
 
 Test fixtures (``tests/fixtures/database.py``): ``pg_server_url`` (session: ``DATABASE_URL`` or a throwaway
 embedded server), ``database_url`` (per test: a fresh database migrated to head; give it to a subprocess

@@ -16,6 +16,8 @@ import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -112,6 +114,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, Decimal):  # exact cost units, without trailing zeros
+        return format(value.normalize(), "f")
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
     if isinstance(value, datetime):
@@ -424,6 +428,61 @@ def _usage_show(args: argparse.Namespace) -> int:
     return _run("usage show", body)
 
 
+def _usage_export(args: argparse.Namespace) -> int:
+    from tenants.admin import get_tenant
+    from tenants.exports import (
+        FocusSettings,
+        check_range,
+        csv_chunks,
+        export_rows,
+        focus_chunks,
+        jsonl_chunks,
+    )
+    from tenants.records import TenantsError
+
+    command = "usage export"
+    since = _moment(command, "--since", args.since)
+    until = _moment(command, "--until", args.until)
+    ref = _tenant_ref(command, args.tenant) if args.tenant else None
+    try:
+        check_range(since, until, args.granularity)
+        settings = FocusSettings.from_env(args.price) if args.format == "focus" else None
+    except TenantsError as exc:
+        raise _fail(command, exc) from None
+
+    async def body(engine: AsyncEngine) -> int:
+        tenant_id = (await get_tenant(engine, ref)).id if ref is not None else None
+        rows = export_rows(engine, since, until, args.granularity, tenant_id)
+        if settings is not None:
+            chunks = focus_chunks(rows, settings)
+        else:
+            chunks = csv_chunks(rows) if args.format == "csv" else jsonl_chunks(rows)
+        if not args.out:
+            async for chunk in chunks:
+                sys.stdout.write(chunk)
+            sys.stdout.flush()
+            return 0
+        partial = Path(f"{args.out}.part")  # the file appears whole or not at all
+        try:
+            out = partial.open("w", newline="", encoding="utf-8")
+        except OSError as exc:
+            raise _fail(command, f"--out: {exc}") from None
+        try:
+            with out:
+                async for chunk in chunks:
+                    out.write(chunk)
+            partial.replace(args.out)
+        except OSError as exc:
+            if isinstance(exc, ConnectionError | TimeoutError):
+                raise
+            raise _fail(command, f"--out: {exc}") from None
+        finally:
+            partial.unlink(missing_ok=True)
+        return 0
+
+    return _run(command, body)
+
+
 # --- registration ---
 
 
@@ -482,3 +541,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     usage_show.add_argument("--since", help="UTC date or ISO time (default: 30 days ago)")
     usage_show.add_argument("--until", help="UTC date or ISO time (default: now)")
     usage_show.set_defaults(func=_usage_show)
+    export = usage_sub.add_parser(
+        "export", help="billing export (CSV, JSON Lines or FOCUS 1.2 CSV), streamed"
+    )
+    export.add_argument("--format", choices=("csv", "jsonl", "focus"), default="csv")
+    export.add_argument("--since", required=True, help="UTC date or ISO time (inclusive)")
+    export.add_argument("--until", required=True, help="UTC date or ISO time (exclusive)")
+    export.add_argument("--tenant", help="only this tenant (name or id)")
+    export.add_argument("--granularity", choices=("request", "hour", "day"), default="day")
+    export.add_argument("--out", help="write to this file (default: standard output)")
+    export.add_argument(
+        "--price", help="FOCUS: price per cost unit (default: WEIR_PRICE_PER_COST_UNIT or 0.000002)"
+    )
+    export.set_defaults(func=_usage_export)

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 metadata = sa.MetaData()
 
 TENANT_STATUSES = ("active", "suspended")
+# "deadline": a queued request refused unstarted once its TTFT target plus the grace had passed
 SHED_REASONS = ("rate", "concurrency", "budget", "queue", "slo", "kv", "deadline")
 
 tenants = sa.Table(
@@ -91,7 +92,7 @@ usage_events = sa.Table(
     sa.Column("prompt_tokens", sa.Integer, nullable=False),
     sa.Column("cached_tokens", sa.Integer, nullable=False),
     sa.Column("output_tokens", sa.Integer, nullable=False),
-    sa.Column("cost", sa.Float, nullable=False),
+    sa.Column("cost", sa.Numeric(24, 6), nullable=False),  # exact: micro cost units
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("finish_reason", sa.Text),
     sa.Column("queue_s", sa.Float),
@@ -102,6 +103,7 @@ usage_events = sa.Table(
     sa.Column("finished_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("usage_events_tenant_finished", "tenant_id", "finished_at"),
     sa.Index("usage_events_finished", "finished_at"),
+    sa.Index("usage_events_key_finished", "key_id", "finished_at"),
 )
 
 shed_events = sa.Table(
@@ -113,4 +115,54 @@ shed_events = sa.Table(
     sa.Column("at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("shed_events_tenant_at", "tenant_id", "at"),
     sa.Index("shed_events_at", "at"),
+)
+
+# Rollups (tenants/rollups.py): usage per granularity ("hour" | "day"), UTC period, tenant, key and model;
+# refusals per tenant and reason; latency histograms per tenant, metric ("ttft" | "tpot") and fixed bucket.
+usage_rollups = sa.Table(
+    "usage_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, nullable=False),
+    sa.Column("period_start", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tenant_id", sa.BigInteger, nullable=False),
+    sa.Column("key_id", sa.BigInteger),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False),
+    sa.Column("output_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cost", sa.Numeric, nullable=False),
+    sa.Column("slo_met", sa.BigInteger, nullable=False),
+    sa.Index("usage_rollups_period", "granularity", "period_start"),
+)
+
+shed_rollups = sa.Table(
+    "shed_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.BigInteger, primary_key=True),
+    sa.Column("period_start", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("reason", sa.Text, primary_key=True),
+    sa.Column("refusals", sa.BigInteger, nullable=False),
+    sa.Index("shed_rollups_period", "granularity", "period_start"),
+)
+
+latency_rollups = sa.Table(
+    "latency_rollups",
+    metadata,
+    sa.Column("granularity", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.BigInteger, primary_key=True),
+    sa.Column("period_start", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("metric", sa.Text, primary_key=True),
+    sa.Column("bucket", sa.SmallInteger, primary_key=True),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Index("latency_rollups_period", "granularity", "period_start"),
+)
+
+# Hours whose rollups are stale: inserted by triggers on both ledgers, consumed by refresh_rollups.
+rollup_marks = sa.Table(
+    "rollup_marks",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
+from decimal import Decimal
 from typing import TypeVar
 
 import sqlalchemy as sa
@@ -27,7 +28,7 @@ class DailyUsage:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    cost: float
+    cost: Decimal
 
 
 @dataclass(frozen=True)

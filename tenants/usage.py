@@ -38,6 +38,7 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import IO, Any
 
@@ -58,6 +59,8 @@ _EVENT_ID = re.compile(r"[0-9a-f]{32}")
 _MAX_TEXT = 256
 REJECTED_FILE = "rejected.jsonl.bad"
 QUARANTINE_FILE = "quarantine.jsonl.bad"
+COST_QUANTUM = Decimal("0.000001")  # the ledger's numeric(24, 6)
+MAX_COST = Decimal(10**18) - COST_QUANTUM
 
 
 def _check_id(name: str, value: int) -> None:
@@ -68,6 +71,18 @@ def _check_id(name: str, value: int) -> None:
 def _check_moment(name: str, value: datetime) -> None:
     if not isinstance(value, datetime) or value.tzinfo is None:
         raise ValueError(f"event {name} must be a timezone-aware datetime, got {value!r}")
+
+
+def exact_cost(value: Decimal | float | int) -> Decimal:
+    """``value`` in cost units as the ledger stores it: a ``Decimal`` rounded (half to even) to
+    :data:`COST_QUANTUM`; a float is taken at its shortest decimal form (``0.1 * 3`` -> ``0.3``).
+    ``ValueError`` unless it is a finite number from 0 to :data:`MAX_COST`."""
+    if isinstance(value, bool) or not isinstance(value, Decimal | float | int):
+        raise ValueError(f"usage event cost must be a finite number >= 0, got {value!r}")
+    exact = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+    if not exact.is_finite() or not 0 <= exact <= MAX_COST:
+        raise ValueError(f"usage event cost must be a finite number from 0 to {MAX_COST}, got {value!r}")
+    return exact.quantize(COST_QUANTUM, rounding=ROUND_HALF_EVEN)
 
 
 def _utc_now() -> datetime:
@@ -88,7 +103,7 @@ class UsageEvent:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    cost: float
+    cost: Decimal  # given as a number, kept rounded to COST_QUANTUM
     status: str  # e.g. "ok", "error", "cancelled"
     finish_reason: str | None  # e.g. "stop", "length", None when it never finished
     queue_s: float | None
@@ -118,9 +133,10 @@ class UsageEvent:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32:
                 raise ValueError(f"usage event {name} must be a non-negative int, got {value!r}")
-        for name in ("cost", "queue_s", "ttft_s", "tpot_s", "e2e_s"):
+        object.__setattr__(self, "cost", exact_cost(self.cost))
+        for name in ("queue_s", "ttft_s", "tpot_s", "e2e_s"):
             value = getattr(self, name)
-            if (value is not None or name == "cost") and not (
+            if value is not None and not (
                 isinstance(value, int | float) and math.isfinite(value) and value >= 0
             ):
                 raise ValueError(f"usage event {name} must be a finite number >= 0, got {value!r}")
@@ -130,7 +146,7 @@ class UsageEvent:
 
 @dataclass(frozen=True)
 class ShedEvent:
-    """A request refused before it ran; ``reason`` is one of rate, concurrency, budget, queue, slo, kv."""
+    """A request refused before it ran; ``reason`` is one of :data:`tenants.models.SHED_REASONS`."""
 
     tenant_id: int
     reason: str
@@ -156,6 +172,8 @@ def _to_line(event: Event) -> str:
     for name in _DATETIME_FIELDS:
         if name in record:
             record[name] = record[name].isoformat()
+    if isinstance(event, UsageEvent):
+        record["cost"] = str(event.cost)  # exact; read back by _from_line
     record["kind"] = "usage" if isinstance(event, UsageEvent) else "shed"
     return json.dumps(record, separators=(",", ":")) + "\n"
 
@@ -176,6 +194,11 @@ def _from_line(line: bytes) -> Event:
             if not isinstance(record[name], str):
                 raise ValueError(f"{name} must be an ISO 8601 time, got {record[name]!r}")
             record[name] = datetime.fromisoformat(record[name])
+    if isinstance(record.get("cost"), str):  # older files hold a JSON number
+        try:
+            record["cost"] = Decimal(record["cost"])
+        except ArithmeticError:
+            raise ValueError(f"cost must be a number, got {record['cost']!r}") from None
     return cls(**record)
 
 
@@ -248,7 +271,7 @@ class UsageWriter:
             self.start()
 
     def record_shed(self, tenant_id: int, reason: str) -> None:
-        """Record a refused request (reason: rate, concurrency, budget, queue, slo, kv)."""
+        """Record a refused request (reason: rate, concurrency, budget, queue, slo, kv, deadline)."""
         self.submit(ShedEvent(tenant_id=tenant_id, reason=reason))
 
     async def flush(self) -> None:

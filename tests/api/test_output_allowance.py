@@ -54,7 +54,7 @@ def _assert_quota_returns(server: ApiServer, tenant_id: int) -> None:
 
     def settled() -> bool:
         row = run_db(server.database_url, state)
-        billed = sum(r["cost"] for r in server.usage_rows(tenant_id))
+        billed = float(sum(r["cost"] for r in server.usage_rows(tenant_id)))  # the ledger is exact
         return row.in_flight == 0 and abs(row.period_spent - billed) < 1e-6
 
     wait_until(settled, what=f"tenant {tenant_id}'s quota back to its ledger")

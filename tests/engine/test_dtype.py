@@ -58,7 +58,8 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path
         at = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
         logits = _hf_logits(reference, prompt + want[:at])
         gap = float(logits[want[at]] - logits[have[at]])
-        assert 0 <= gap <= 2 * 2**-8 * float(logits[want[at]].abs()), (at, gap)
+        # either sign: transformers' cached generate and its own full forward can order a near-tie apart
+        assert abs(gap) <= 2 * 2**-8 * float(logits[want[at]].abs()), (at, gap)
 
 
 def test_a_step_that_needs_no_logits_runs_padded(tiny_model_dir: Path) -> None:

@@ -148,9 +148,12 @@ def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path)
     assert empty.reliable and empty.queued_tokens == 0  # calibrated at start-up
     for i, prompt in enumerate(random_prompts((300, 200), seed=8)):
         core.add_request(f"q{i}", prompt, SamplingParams(temperature=0, max_tokens=2))
-    queued = core.estimate_ttft(100, "someone")
+    queued = core.estimate_ttft(100)  # its own tenant's queue is all ahead of it
     assert queued.queued_tokens == 500
     assert 0 < empty.seconds < queued.seconds
+    # another tenant's request, under the fair policy: only what the queued tenant is served while the
+    # newcomer's counter climbs through its own prompt
+    assert core.estimate_ttft(100, "someone").queued_tokens == 100
     while core.has_unfinished():
         core.step()
     assert core.estimate_ttft(100).queued_tokens == 0

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,8 @@ def _record(event: UsageEvent, **changes: object) -> dict:
     for name in ("started_at", "finished_at"):
         if isinstance(record[name], datetime):
             record[name] = record[name].isoformat()
+    if isinstance(record["cost"], Decimal):
+        record["cost"] = str(record["cost"])
     return record
 
 
@@ -232,6 +235,8 @@ async def test_bad_spilled_records_are_set_aside_and_the_good_ones_written(db_en
         _line(_record(make_event(14), output_tokens=-1)),
         _line(_record(make_event(15), prompt_tokens=2**31)),
         _line(_record(make_event(16), cost=float("nan"))),
+        _line(_record(make_event(23), cost="twelve")),
+        _line(_record(make_event(24), cost="-1")),
         _line(_record(make_event(17), request_id="req 17; DROP TABLE usage_events")),
         _line(_record(make_event(18), request_id="")),
         _line(_record(make_event(19), model="m" * 257)),
@@ -243,7 +248,8 @@ async def test_bad_spilled_records_are_set_aside_and_the_good_ones_written(db_en
         b"[" * 100_000 + b"\n",
     ]
     torn = _line(_record(make_event(22)))[:-1]
-    good = [_line(_record(make_event(n))) for n in (1, 2, 3)] + [_line(shed)]
+    good = [_line(_record(make_event(n))) for n in (1, 2)] + [_line(shed)]
+    good.insert(2, _line(_record(make_event(3), cost=float(make_event(3).cost))))  # as files held it before
     lines = [good[0], *bad[:9], good[1], *bad[9:], good[2], good[3], torn]
     (spill / "usage-older-1.jsonl").write_bytes(b"".join(lines))
 
