@@ -12,7 +12,8 @@ from api.errors import APIError
 from api.services import Services
 
 
-def _services_as_admin(request: Request) -> Services:
+def require_admin_token(request: Request) -> None:
+    """401 unless the request carries ``Authorization: Bearer WEIR_ADMIN_TOKEN``."""
     services: Services = request.app.state.services
     header = request.headers.get("authorization") or ""
     scheme, _, token = header.partition(" ")
@@ -25,6 +26,11 @@ def _services_as_admin(request: Request) -> Services:
             "A valid admin token is required (Authorization: Bearer WEIR_ADMIN_TOKEN).",
             code="invalid_admin_token",
         )
+
+
+def _services_as_admin(request: Request) -> Services:
+    require_admin_token(request)
+    services: Services = request.app.state.services
     services.check_ready()
     return services
 

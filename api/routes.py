@@ -8,6 +8,7 @@ from litestar import Request, Response, get, post
 from litestar.exceptions import InternalServerException
 from litestar.types import ASGIApp
 
+from api import tracing
 from api.errors import APIError
 from api.openapi import REQUEST_BODY
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
@@ -27,24 +28,27 @@ async def _read_body(request: Request) -> bytes:
         raise APIError(400, "The request body was not received in full.", code="incomplete_body") from None
 
 
-async def _completion(request: Request, struct: type[SamplingFields]) -> ASGIApp:
+async def _completion(request: Request, struct: type[SamplingFields], operation: str) -> ASGIApp:
     services: Services = request.app.state.services
     services.check_ready()
-    principal = await services.store.authenticate(request.headers.get("authorization"))
+    telemetry = tracing.begin(request.app.state.telemetry, operation)
+    with telemetry.child("auth"):
+        principal = await services.store.authenticate(request.headers.get("authorization"))
     async with services.store.rate_limit_headers_on_refusal(principal):
         body = decode_body(await _read_body(request), struct)
-        job = await services.admission.admit(principal, body)
+        with telemetry.generation(body, principal):
+            job = await services.admission.admit(principal, body)
     return CompletionResponse(job, services.engine, services.settlement, services.settings.client_timeout_s)
 
 
 @post("/v1/chat/completions", status_code=200, opt={REQUEST_BODY: ChatCompletionRequest})
 async def chat_completions(request: Request) -> ASGIApp:
-    return await _completion(request, ChatCompletionRequest)
+    return await _completion(request, ChatCompletionRequest, "chat")
 
 
 @post("/v1/completions", status_code=200, opt={REQUEST_BODY: CompletionRequest})
 async def completions(request: Request) -> ASGIApp:
-    return await _completion(request, CompletionRequest)
+    return await _completion(request, CompletionRequest, "text_completion")
 
 
 @get("/v1/models")

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 
+from api.request_log import LOG_FORMATS, configure_logging
 from api.settings import Settings
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
 from engine.config import DTYPES, EngineConfig
@@ -71,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_transport_options(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _add_telemetry_options(serve)
     serve.set_defaults(func=_serve)
 
     demo = subparsers.add_parser(
@@ -117,6 +119,28 @@ def _add_transport_options(serve: argparse.ArgumentParser) -> None:
         )
 
 
+def _add_telemetry_options(serve: argparse.ArgumentParser) -> None:
+    """Log format and /metrics access (traces and metrics export: the OTEL_* variables, docs/telemetry.md)."""
+    serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: one JSON object a line with the request's trace id, and one line per finished "
+        "request (default text)",
+    )
+    serve.add_argument(
+        "--metrics-public", action="store_true", help="serve GET /metrics without the admin token"
+    )
+    serve.add_argument(
+        "--metrics-max-tenants",
+        type=int,
+        default=Settings.metrics_max_tenants,
+        metavar="N",
+        help="tenants with a metric label of their own; later ones are counted as 'other' "
+        f"(default {Settings.metrics_max_tenants})",
+    )
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise SystemExit(f"weir serve: error: --{name} must be positive, got {value}")
@@ -148,12 +172,19 @@ def _serve(args: argparse.Namespace) -> int:
         "header_timeout",
         "body_timeout",
         "keep_alive_timeout",
+        "metrics_max_tenants",
     ):
         _positive(name.replace("_", "-"), getattr(args, name))
     if not args.deadline_grace >= 0:
         raise SystemExit(
             f"weir serve: error: --deadline-grace must be non-negative, got {args.deadline_grace}"
         )
+    from api.telemetry import check_environment
+
+    try:
+        check_environment(os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
     from engine.policies import POLICIES
     from engine.weights import resolve_model_dir
 
@@ -193,6 +224,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         deadline_grace_s=args.deadline_grace,
+        log_format=args.log_format,
+        metrics_public=args.metrics_public,
+        metrics_max_tenants=args.metrics_max_tenants,
     )
     limits = TransportLimits(
         max_connections=args.max_connections,
@@ -219,7 +253,7 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
     from api.app import create_app
     from api.http_protocol import limited_protocol
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)-8s %(name)s: %(message)s")
+    configure_logging(settings.log_format, log_level)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -230,6 +264,7 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
         lifespan="on",
         log_level=log_level,
         timeout_graceful_shutdown=10,
+        **({"log_config": None} if settings.log_format == "json" else {}),  # uvicorn's lines in JSON too
     )
     logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())  # after uvicorn's logging setup
     server = uvicorn.Server(config)

@@ -28,6 +28,9 @@ class Settings:
     # refuse a queued request not started by its tenant's TTFT target plus this (never serve it late)
     deadline_grace_s: float = 1.0
     weights: CostWeights = DEFAULT_WEIGHTS  # what reservations and the ledger count in
+    log_format: str = "text"  # text, or json: one object a line with trace ids, and a line per request
+    metrics_public: bool = False  # serve GET /metrics without the admin token
+    metrics_max_tenants: int = 100  # tenants with a metric label of their own; later ones count as "other"
 
     @property
     def state_dir(self) -> Path:

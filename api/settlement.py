@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from datetime import UTC, datetime
 
+from api import tracing
 from api.metering import Job, Tracker
 from api.tenant_store import TenantStore
 from engine import AsyncEngine
@@ -41,7 +42,8 @@ class Settlement:
 
     async def finish(self, job: Job, tracker: Tracker) -> None:
         """Settle and meter ``job`` exactly once; runs to the end even if the caller is cancelled."""
-        task = asyncio.create_task(self._finish(job, tracker), name=f"settle-{job.request_id}")
+        settlement = tracing.settled(self._finish(job, tracker), tracker, self._weights)
+        task = asyncio.create_task(settlement, name=f"settle-{job.request_id}")
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         await asyncio.shield(task)

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from litestar.exceptions import HTTPException
 from sqlalchemy.ext.asyncio import AsyncEngine as Database
 
+from api import tracing
 from api.auth import authenticate
 from api.errors import APIError
 from api.openai_format import rate_limit_headers
@@ -76,7 +77,7 @@ class TenantStore:
 
     async def reserve(self, principal: Principal, cost: float) -> Reservation:
         """Reserve ``cost`` for the tenant, or raise the 429 that says which limit refused (recorded)."""
-        with database_unavailable_is_503():
+        with database_unavailable_is_503(), tracing.reservation():
             outcome = await self._quotas.reserve(principal.tenant_id, cost)
         if isinstance(outcome, Reservation):
             return outcome
@@ -99,9 +100,14 @@ class TenantStore:
 
     def record_shed(self, tenant_id: int, reason: str) -> None:
         self._usage.record_shed(tenant_id, reason)
+        tracing.refused(reason)
 
     def record_usage(self, event: UsageEvent) -> None:
         self._usage.submit(event)
+
+    def ledger_backlog(self) -> int:
+        """Usage events accepted but not yet in the database or a spill file."""
+        return self._usage.pending
 
     async def rate_limit_headers(self, principal: Principal) -> dict[str, str]:
         """The tenant's ``x-ratelimit-*`` headers as its allowance stands now; none when the database,

@@ -1,4 +1,5 @@
-"""`weir bench engine|serve|latency|stops|soak|dashboard`: the benchmarks that print comparison tables.
+"""`weir bench engine|serve|latency|stops|soak|dashboard|telemetry`: the benchmarks that print comparison
+tables.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -30,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "a long mixed load on a weir serve of its own: RSS drift, KV blocks, ledger rows",
             add_soak_arguments,
         ),
+        (
+            "telemetry",
+            "the same load on weir serve with telemetry off and on (OTLP export): throughput and TTFT",
+            add_telemetry_arguments,
+        ),
     )
     for name, help_text, add_arguments in benchmarks:
         parser = kinds.add_parser(name, help=help_text)
@@ -44,6 +50,7 @@ _MODULES = {
     "stops": "bench.stop_matching",
     "soak": "bench.soak",
     "dashboard": "bench.dashboard",
+    "telemetry": "bench.telemetry_overhead",
 }
 
 
@@ -250,5 +257,27 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=DTYPES, default="auto", help="the server's weight and KV dtype (default auto)"
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+
+
+def add_telemetry_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=2, metavar="N", help="off/on pairs of runs (default 2)")
+    parser.add_argument("--requests", type=int, default=32, metavar="N", help="requests per run (default 32)")
+    parser.add_argument(
+        "--rate", type=float, default=8.0, metavar="R", help="arrivals per second, above capacity (default 8)"
+    )
+    parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000)
+    parser.add_argument("--slo-tpot-ms", type=float, default=200)
+    parser.add_argument("--model", metavar="PATH", help="model directory to serve (default: SmolLM2)")
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="prompt and arrival seed (default 0)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="both servers' compute dtype (default float32: auto could choose differently for each)",
     )
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")

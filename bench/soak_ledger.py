@@ -37,9 +37,9 @@ class SoakTenants:
     over_quota_key: str
 
 
-async def create_soak_tenants(database_url: str) -> SoakTenants:
+async def create_soak_tenants(database_url: str, ttft_target_s: float = NORMAL_TTFT_TARGET_S) -> SoakTenants:
     """``NORMAL_TENANTS`` tenants without limits and one limited to ``OVER_QUOTA_COST_PER_MINUTE``, a key
-    each, under fresh names; all with a TTFT target of ``NORMAL_TTFT_TARGET_S``."""
+    each, under fresh names; all with a TTFT target of ``ttft_target_s``."""
     db = create_engine(database_url, poolclass=NullPool)
     tag = uuid.uuid4().hex[:8]
     try:
@@ -47,7 +47,7 @@ async def create_soak_tenants(database_url: str) -> SoakTenants:
         quotas = [Quotas()] * NORMAL_TENANTS + [Quotas(cost_per_minute=OVER_QUOTA_COST_PER_MINUTE)]
         names = [f"soak-{tag}-{i}" for i in range(NORMAL_TENANTS)] + [f"soak-{tag}-over-quota"]
         for name, quota in zip(names, quotas, strict=True):
-            tenant = await create_tenant(db, name, ttft_target_s=NORMAL_TTFT_TARGET_S, quota=quota)
+            tenant = await create_tenant(db, name, ttft_target_s=ttft_target_s, quota=quota)
             _, secret = await create_key(db, tenant.id)
             ids.append(tenant.id)
             keys.append(secret)

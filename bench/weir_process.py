@@ -56,6 +56,11 @@ class WeirProcess:
         """The server process's resident set size (``VmRSS`` of ``/proc/<pid>/status``)."""
         return read_rss_bytes(self.process.pid)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used, user and system, all its threads."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     async def engine_stats(self, client: httpx.AsyncClient) -> dict:
         """``GET /admin/api/engine``: the engine's running/waiting counts, KV blocks and the API counters."""
         response = await client.get(f"{self.base_url}/admin/api/engine", headers=self.admin_headers)
@@ -76,10 +81,16 @@ def read_rss_bytes(pid: int) -> int:
 
 @contextmanager
 def weir_serve(
-    model_dir: Path, port: int, database_url: str, state_dir: Path, *options: str
+    model_dir: Path,
+    port: int,
+    database_url: str,
+    state_dir: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
 ) -> Iterator[WeirProcess]:
-    """``weir serve --model model_dir --port port *options`` on ``database_url`` with a fresh admin token,
-    yielded once ``/readyz`` answers 200; its output goes to ``state_dir/server.log``.
+    """``weir serve --model model_dir --port port *options`` on ``database_url`` with a fresh admin token
+    and ``env`` added to the environment, yielded once ``/readyz`` answers 200; its output goes to
+    ``state_dir/server.log``.
 
     On exit it is stopped with SIGTERM (a graceful shutdown: in-flight requests settle, the usage ledger is
     flushed) and killed only if it has not exited after ``STOP_TIMEOUT_S``.
@@ -87,6 +98,7 @@ def weir_serve(
     token = secrets.token_urlsafe(24)
     env = {
         **os.environ,
+        **(env or {}),
         "DATABASE_URL": database_url,
         "WEIR_ADMIN_TOKEN": token,
         "WEIR_STATE_DIR": str(state_dir),

@@ -77,6 +77,7 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._steps = 0
+        self._step_seconds = 0.0
         self._window: deque[tuple[float, int, int]] = deque()  # (step start, output tokens, prompt tokens)
         self._window_sums = [0, 0]
         self._step_time = StepTimeModel()
@@ -215,6 +216,7 @@ class EngineCore:
             new_tokens = len(tokens)
             self._step_time.observe(plan.num_prefill_tokens, plan.num_decode_tokens, now - started, now)
             self._steps += 1
+            self._step_seconds += now - started
             self._record(started, new_tokens, plan.num_prefill_tokens)
         self._refresh()
         return outputs
@@ -298,6 +300,7 @@ class EngineCore:
             tokens_per_s=self._window_sums[0] / span,
             prompt_tokens_per_s=self._window_sums[1] / span,
             steps=self._steps,
+            step_seconds=self._step_seconds,
             preemptions=self.scheduler.num_preemptions,
             ttft_estimate_ratio_p50=self._ttft_ratio_quantiles[0],
             ttft_estimate_ratio_p90=self._ttft_ratio_quantiles[1],

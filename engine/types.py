@@ -93,6 +93,7 @@ class EngineStats:
     ttft_estimate_ratio_p90: float | None = None
     kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free
     waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # waiting requests per tenant id
+    step_seconds: float = 0.0  # time spent in steps since start (over ``steps``: the mean step time)
 
 
 @dataclass(frozen=True)

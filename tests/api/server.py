@@ -149,13 +149,16 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serving(model_dir: Path, database_url: str, state_dir: Path, *options: str) -> Iterator[ApiServer]:
-    """``weir serve --model model_dir *options`` on a free port over a migrated ``database_url``, once ready;
-    its output goes to ``state_dir/server.log``. Stopped on exit."""
+def serving(
+    model_dir: Path, database_url: str, state_dir: Path, *options: str, env: dict[str, str] | None = None
+) -> Iterator[ApiServer]:
+    """``weir serve --model model_dir *options`` on a free port over a migrated ``database_url``, once ready,
+    with ``env`` added to the environment; its output goes to ``state_dir/server.log``. Stopped on exit."""
     port = _free_port()
     admin_token = uuid.uuid4().hex
     env = {
         **os.environ,
+        **(env or {}),
         "DATABASE_URL": database_url,
         "WEIR_ADMIN_TOKEN": admin_token,
         "WEIR_STATE_DIR": str(state_dir),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,3 +26,26 @@ def test_bad_settings_are_one_line_errors(args: list[str], message: str) -> None
     assert result.returncode == 1
     assert result.stderr.startswith("weir serve: error: ") and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER: unsupported exporter zipkin"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTLP protocol 'grpc' is not supported",
+        ),
+    ],
+)
+def test_unsupported_telemetry_settings_are_one_line_errors(env: dict[str, str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--model", "/nonexistent/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("weir serve: error: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,82 @@
+"""Telemetry configuration from the OTEL_* variables, and the tenant label's cardinality cap."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from api.metrics import OTHER_TENANTS, TenantLabels
+from api.request_log import JsonFormatter
+from api.telemetry import EXPORTERS, METRICS_EXPORTERS, Telemetry, exporters_from_env
+
+
+def _exporters(environ: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(trace exporters, metric exporters) that ``environ`` configures."""
+    return exporters_from_env(environ, "TRACES", EXPORTERS), exporters_from_env(
+        environ, "METRICS", METRICS_EXPORTERS
+    )
+
+
+def test_nothing_is_exported_without_configuration() -> None:
+    telemetry = Telemetry(environ={})
+    assert (telemetry.trace_exporters, telemetry.metric_exporters, telemetry.tracing) == ([], [], False)
+    assert b"target_info" not in telemetry.prometheus_text()  # nothing recorded yet, nothing to show
+
+
+def test_an_otlp_endpoint_exports_both_signals() -> None:
+    assert _exporters({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}) == (["otlp"], ["otlp"])
+    assert _exporters({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318"}) == (["otlp"], [])
+
+
+def test_exporters_named_per_signal() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "prometheus, console",
+    }
+    assert _exporters(environ) == ([], ["console"])
+
+
+def test_sdk_disabled_wins() -> None:
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_SDK_DISABLED": "true"}
+    assert Telemetry(environ=environ).tracing is False
+
+
+def test_trace_ids_for_logs_without_export() -> None:
+    telemetry = Telemetry(environ={}, trace_ids=True)
+    with telemetry.tracer.start_as_current_span("request") as span:
+        assert span.get_span_context().is_valid
+        assert not span.is_recording()  # numbered for the log lines, never exported
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "unsupported exporter zipkin"),
+        ({"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "use http/protobuf"),
+    ],
+)
+def test_unsupported_settings_are_refused(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Telemetry(environ=environ)
+
+
+def test_tenants_past_the_cap_are_other() -> None:
+    labels = TenantLabels(cap=2)
+    seen = [labels(name) for name in ("a", "b", "c", "a", "d", "b")]
+    assert seen == ["a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+
+
+def test_json_lines_carry_the_trace_id_inside_a_span() -> None:
+    telemetry = Telemetry(environ={}, trace_ids=True)
+    formatter = JsonFormatter()
+    fields = {"name": "weir.api", "levelname": "INFO", "msg": "hello %s", "args": ("x",)}
+    record = logging.makeLogRecord(fields)
+    assert "trace_id" not in json.loads(formatter.format(record))
+    with telemetry.tracer.start_as_current_span("request") as span:
+        record.tenant = "acme"
+        line = json.loads(formatter.format(record))
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert (line["message"], line["level"], line["tenant"]) == ("hello x", "info", "acme")
