@@ -10,11 +10,11 @@ import logging
 import math
 import time
 
-import torch
-
-from engine.batch import KVCacheTensors, StepBatch
 from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.sequence import Sequence
 from engine.step_time import StepSample
+from engine.types import SamplingParams
 
 log = logging.getLogger("weir.engine")
 
@@ -24,35 +24,20 @@ DECODE_CONTEXT = 32  # tokens of context each calibration decode attends to
 REPEATS = 2  # each shape is timed this often; the fastest run counts (the first warms up)
 
 
-def _batch(
-    kv: KVCacheManager, prefill: int, decodes: int, vocab: int, device: torch.device
-) -> tuple[StepBatch, list[str]]:
-    """A step with ``decodes`` decodes then one prefill chunk of ``prefill`` tokens, and the scratch tables
-    it holds blocks under."""
-    ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+def _scratch(kv: KVCacheManager, prefill: int, decodes: int, vocab: int) -> list[tuple[Sequence, int]]:
+    """A step of ``decodes`` decodes then one prefill chunk of ``prefill`` tokens, on scratch sequences
+    that hold blocks (the caller checked that the free blocks hold the step)."""
     shapes = [(f"calibrate-d{i}", DECODE_CONTEXT - 1, 1) for i in range(decodes)]
     if prefill:
         shapes.append(("calibrate-p", 0, prefill))
+    scheduled = []
     for name, start, n in shapes:
-        kv.grow(name, start + n)  # the caller checked that the free blocks hold the step
-        ids.extend((start + i) % vocab for i in range(n))
-        positions.extend(range(start, start + n))
-        slots.extend(kv.slots(name, start, start + n))
-        query_lens.append(n)
-        context_lens.append(start + n)
-        tables.append(kv.block_tables[name])
-    rows = list(range(decodes)) + ([len(ids) - 1] if prefill else [])
-    batch = StepBatch.from_lists(
-        input_ids=ids,
-        positions=positions,
-        slot_mapping=slots,
-        query_lens=query_lens,
-        context_lens=context_lens,
-        block_tables=tables,
-        logits_indices=rows,
-        device=device,
-    )
-    return batch, [name for name, _, _ in shapes]
+        seq = Sequence(
+            name, [i % vocab for i in range(start + n)], SamplingParams(), num_computed_tokens=start
+        )
+        kv.grow(name, start + n)
+        scheduled.append((seq, n))
+    return scheduled
 
 
 def _fits(kv: KVCacheManager, prefill: int, decodes: int) -> bool:
@@ -70,29 +55,23 @@ def calibration_shapes(
     return [(p, 0) for p in prefills] + [(0, d) for d in decodes]
 
 
-def calibrate(
-    model,  # engine.models.PagedLlama
-    kv: KVCacheManager,
-    kv_tensors: KVCacheTensors,
-    shapes: list[tuple[int, int]],
-    device: torch.device,
-) -> list[StepSample]:
+def calibrate(runner: ModelRunner, shapes: list[tuple[int, int]]) -> list[StepSample]:
     """Time each ``(prefill tokens, decodes)`` step shape; shapes the free blocks cannot hold are skipped."""
     samples = []
-    vocab = model.config.vocab_size
+    kv, vocab = runner.kv, runner.model.config.vocab_size
     for prefill, decodes in shapes:
         if not _fits(kv, prefill, decodes):
             continue
         best = math.inf
         for _ in range(REPEATS):
-            batch, tables = _batch(kv, prefill, decodes, vocab, device)
+            scheduled = _scratch(kv, prefill, decodes, vocab)
             try:
                 started = time.perf_counter()
-                model.forward(batch, kv_tensors)
+                runner.run(scheduled)
                 best = min(best, time.perf_counter() - started)
             finally:
-                for name in tables:
-                    kv.free(name)
+                for seq, _ in scheduled:
+                    kv.free(seq.request_id)
         samples.append(StepSample(prefill, decodes, best))
     log.info(
         "step-time calibration: %s",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.config import DTYPES
+from engine.config import DEVICES, DTYPES, EngineConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,8 +18,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default 0: off)")
     gen.add_argument("--seed", type=int, default=None, help="same seed, same answer (when sampling)")
-    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    gen.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (default auto: measured)")
+    gen.add_argument("--device", default=EngineConfig.device, choices=DEVICES)
+    gen.add_argument(
+        "--dtype",
+        default=EngineConfig.dtype,
+        choices=DTYPES,
+        help=f"compute dtype (default {EngineConfig.dtype}: measured)",
+    )
     gen.set_defaults(func=generate_command)
 
     model = subparsers.add_parser("model", help="manage model weights")
@@ -30,7 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.types import SamplingParams
 

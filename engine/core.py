@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.batch import KVCacheTensors
 from engine.calibration import calibrate, calibration_shapes
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, num_blocks_for_memory
+from engine.model_runner import ModelRunner
 from engine.policies import make_policy
 from engine.sampler import StopStringMatcher, make_generator, sample
 from engine.scheduler import Scheduler
@@ -48,34 +48,26 @@ class EngineCore:
         self,
         model,  # engine.models.PagedLlama
         tokenizer,  # engine.tokenizer.Tokenizer
+        config: EngineConfig,
         *,
         num_blocks: int,
-        block_size: int = 16,
-        max_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        prefill_chunk_size: int = 256,
-        max_model_len: int | None = None,
-        policy: str = "fcfs",
-        device: torch.device | str = "cpu",
-        prefix_caching: bool = True,
-        calibrate_steps: bool = True,
+        device: torch.device,
+        model_name: str = "model",
     ) -> None:
-        self.model = model
-        self.model_name = "model"
+        """An engine over a loaded ``model`` with ``num_blocks`` KV blocks on ``device``; every limit comes
+        from ``config`` (``from_config`` loads the model it names and sizes the pool)."""
+        self.model_name = model_name
         self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-        self.kv_tensors: KVCacheTensors = model.new_kv_cache(num_blocks, block_size)
+        self.device = device
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
+        self.runner = ModelRunner(model, self.kv, device)
         limit = min(model.config.max_position_embeddings, self.kv.capacity_tokens)
-        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        self.max_model_len = min(limit, config.max_model_len) if config.max_model_len else limit
         self.scheduler = Scheduler(
             self.kv,
-            make_policy(policy),
+            make_policy(config.policy),
+            config,
             max_model_len=self.max_model_len,
-            max_batched_tokens=max_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            prefill_chunk_size=prefill_chunk_size,
-            device=self.device,
             prefill_budget=lambda decodes, seconds: self._step_time.costs().prefill_tokens_within(
                 seconds, decodes
             ),
@@ -89,9 +81,8 @@ class EngineCore:
         self._window: deque[tuple[float, int, int]] = deque()  # (step start, output tokens, prompt tokens)
         self._window_sums = [0, 0]
         self._step_time = StepTimeModel()
-        if calibrate_steps:
-            shapes = calibration_shapes(max_batched_tokens, max_num_seqs, self.max_model_len)
-            self._step_time.calibrate(calibrate(model, self.kv, self.kv_tensors, shapes, self.device))
+        shapes = calibration_shapes(config.max_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self._step_time.calibrate(calibrate(self.runner, shapes))
         self._ttft_ratios: deque[float] = deque(maxlen=TTFT_RATIO_WINDOW)
         self._ttft_ratio_quantiles: tuple[float | None, float | None] = (None, None)
         self._queued_prefill: dict[str, int] = {}
@@ -116,21 +107,14 @@ class EngineCore:
             num_blocks * bytes_per_block / 2**20,
             device,
         )
-        core = cls(
+        return cls(
             model,
             Tokenizer(model_dir),
+            config,
             num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_batched_tokens=config.max_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            prefill_chunk_size=config.prefill_chunk_size,
-            max_model_len=config.max_model_len,
-            policy=config.policy,
             device=device,
-            prefix_caching=config.prefix_caching,
+            model_name=model_dir.name,
         )
-        core.model_name = model_dir.name
-        return core
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine cannot take (a too long prompt ends with an error)."""
@@ -222,8 +206,9 @@ class EngineCore:
             del self._requests[seq.request_id]
             outputs.append(self._output(seq, "", [], []))
         new_tokens = 0
-        if plan.batch is not None:
-            logits = self.model.forward(plan.batch, self.kv_tensors)
+        if plan.scheduled:
+            logits = self.runner.run(plan.scheduled)
+            self.scheduler.complete(plan)
             requests = [self._requests[seq.request_id] for seq in plan.sample_seqs]
             tokens = sample(logits, [r.seq.params for r in requests], [r.generator for r in requests])
             now = time.monotonic()

@@ -19,10 +19,6 @@ from array import array
 from collections import OrderedDict, deque
 
 
-class OutOfBlocksError(RuntimeError):
-    """The pool has no free block left."""
-
-
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     """How many blocks a memory budget holds; at least one block must fit."""
     if bytes_per_block <= 0:
@@ -61,24 +57,20 @@ class BlockAllocator:
         return len(self._by_hash)
 
     def ref_count(self, block: int) -> int:
+        """The tables holding ``block`` (a prefix-cache block can be in several)."""
         return self._ref_counts[block]
 
     def allocate(self) -> int:
+        """Take a block: an empty one, else the least recently used cached one (its hash forgotten)."""
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
         else:
-            raise OutOfBlocksError("no free KV block")
+            raise RuntimeError("no free KV block")
         self._ref_counts[block] = 1
         return block
-
-    def share(self, block: int) -> None:
-        """Take one more reference to an allocated block."""
-        if self._ref_counts[block] < 1:
-            raise ValueError(f"block {block} is not allocated")
-        self._ref_counts[block] += 1
 
     def release(self, block: int) -> None:
         """Drop one reference; the block is free again when none is left."""
@@ -114,7 +106,7 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    """Block tables of the sequences that hold KV memory, keyed by request id."""
+    """Block tables of the sequences that hold KV memory, keyed by request id; callers get copies."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if block_size < 1:
@@ -122,7 +114,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its full blocks
 
     @property
@@ -139,29 +131,33 @@ class KVCacheManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks the sequence needs so that its table covers ``num_tokens`` tokens."""
-        have = len(self.block_tables.get(request_id, ()))
+        have = len(self._tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
+
+    def table(self, request_id: str) -> list[int]:
+        """The blocks holding the sequence's tokens, in order (empty for a sequence that holds none)."""
+        return list(self._tables.get(request_id, ()))
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Extend the table to cover ``num_tokens`` tokens; False (and nothing taken) if blocks are short."""
         needed = self.blocks_needed(request_id, num_tokens)
         if needed > self.allocator.num_free:
             return False
-        table = self.block_tables.setdefault(request_id, [])
+        table = self._tables.setdefault(request_id, [])
         table.extend(self.allocator.allocate() for _ in range(needed))
         return True
 
     def free(self, request_id: str) -> None:
         """Return all of the sequence's blocks (no-op for a sequence that holds none)."""
         self._hashes.pop(request_id, None)
-        for block in self.block_tables.pop(request_id, ()):
+        for block in self._tables.pop(request_id, ()):
             self.allocator.release(block)
 
     def share_prefix(self, request_id: str, token_ids: list[int], salt: str) -> int:
         """Give a sequence that holds no blocks yet the cached blocks its tokens start with; returns how
         many tokens they hold. The block of the last token is never shared: that token is always computed
         (its logits are needed), and a shared block is never written."""
-        if not self.prefix_caching or request_id in self.block_tables:
+        if not self.prefix_caching or request_id in self._tables:
             return 0
         size = self.block_size
         table: list[int] = []
@@ -175,7 +171,7 @@ class KVCacheManager:
             table.append(block)
             hashes.append(parent)
         if table:
-            self.block_tables[request_id] = table
+            self._tables[request_id] = table
             self._hashes[request_id] = hashes
         return len(table) * size
 
@@ -185,7 +181,7 @@ class KVCacheManager:
             return
         size = self.block_size
         hashes = self._hashes.setdefault(request_id, [])
-        table = self.block_tables.get(request_id, [])
+        table = self._tables.get(request_id, [])
         parent = hashes[-1] if hashes else salt.encode()
         for index in range(len(hashes), min(num_computed // size, len(table))):
             parent = chain_hash(parent, token_ids[index * size : (index + 1) * size])
@@ -194,6 +190,6 @@ class KVCacheManager:
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat KV slots of the sequence's positions ``start .. end - 1``."""
-        table = self.block_tables[request_id]
+        table = self._tables[request_id]
         size = self.block_size
         return [table[pos // size] * size + pos % size for pos in range(start, end)]

@@ -8,6 +8,11 @@ prompts that were admitted earlier.) A prompt is cut into chunks of at most
 ``prefill_chunk_size`` tokens so a long one cannot stall everyone's decoding. When a running sequence needs
 a block and none is free, the policy picks a victim, whose blocks are freed and whose tokens are recomputed
 when it is admitted again (recompute preemption).
+
+``schedule()`` returns a ``StepPlan``: plain data, the sequences of the step and how many tokens each
+runs; the model runner makes the step's tensors from it. Nothing is counted as done before the model ran:
+``complete(plan)`` then advances the computed-token counts, registers full blocks with the prefix cache
+and reports the served prompt tokens to the policy.
 """
 
 from __future__ import annotations
@@ -17,9 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.batch import StepBatch
+from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.policies import Policy
 from engine.sequence import Sequence, SequenceStatus
@@ -28,11 +31,11 @@ MIN_PREFILL_TOKENS = 16  # prefill a step may carry beside decodes even when the
 
 
 @dataclass
-class ScheduledStep:
-    """One planned step: the model's batch, and which sequence each row of its logits belongs to."""
+class StepPlan:
+    """One planned step: the sequences that run and how many tokens each, decodes (one token) first."""
 
-    batch: StepBatch | None
-    sample_seqs: list[Sequence]  # row i of the logits is the next-token distribution of sample_seqs[i]
+    scheduled: list[tuple[Sequence, int]]
+    sample_seqs: list[Sequence]  # row i of the step's logits is the next-token distribution of sample_seqs[i]
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
@@ -40,22 +43,20 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the KV block tables of their sequences."""
+    """Owns the waiting and running queues; their sequences' KV blocks are taken and freed through ``kv``."""
 
     def __init__(
         self,
         kv: KVCacheManager,
         policy: Policy,
+        config: EngineConfig,
         *,
         max_model_len: int,
-        max_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        prefill_chunk_size: int = 256,
-        device: torch.device | str = "cpu",
         prefill_budget: Callable[[int, float], int] | None = None,
     ) -> None:
-        if min(max_batched_tokens, max_num_seqs, prefill_chunk_size, max_model_len) < 1:
-            raise ValueError("scheduler limits must be positive")
+        """Limits come from ``config``; ``max_model_len`` is the engine's resolved context limit."""
+        if max_model_len < 1:
+            raise ValueError("max_model_len must be positive")
         if max_model_len > kv.capacity_tokens:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the KV pool of {kv.capacity_tokens} tokens"
@@ -63,10 +64,9 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.max_model_len = max_model_len
-        self.max_batched_tokens = max_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.prefill_chunk_size = prefill_chunk_size
-        self.device = torch.device(device)
+        self.max_batched_tokens = config.max_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.prefill_chunk_size = config.prefill_chunk_size
         # (decodes, seconds) -> prefill tokens a step can add and still take that long (stall-free batching)
         self.prefill_budget = prefill_budget
         self.waiting: list[Sequence] = []
@@ -76,9 +76,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self.policy.on_arrival(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Take the sequence out of the engine and free its blocks at once."""
@@ -106,8 +103,8 @@ class Scheduler:
                 queued[seq.tenant_id] += seq.num_uncomputed_tokens
         return dict(queued)
 
-    def schedule(self) -> ScheduledStep:
-        """Plan the next step and advance the planned sequences' computed-token counts."""
+    def schedule(self) -> StepPlan:
+        """Plan the next step; the planned sequences hold the KV blocks their tokens need."""
         expired = self._refuse_expired(time.monotonic())
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[Sequence] = []
@@ -123,9 +120,25 @@ class Scheduler:
         rejected = self._prefill(planned, preempted, budget)
         for seq in preempted:
             self.waiting.append(seq)
-        step = self._build(list(planned.values()))
-        step.preempted, step.rejected = preempted, expired + rejected
-        return step
+        plan = self._plan(list(planned.values()))
+        plan.preempted, plan.rejected = preempted, expired + rejected
+        return plan
+
+    def complete(self, plan: StepPlan) -> None:
+        """The model ran ``plan``: its tokens' K/V are in the cache. Advance the computed-token counts,
+        register the blocks now full with the prefix cache, and report the prompt tokens served (cached
+        ones at the sequence's first step; recomputed ones never) to the policy."""
+        for seq, n in plan.scheduled:
+            end = seq.num_computed_tokens + n
+            if seq.num_prompt_tokens_billed < seq.num_cached_tokens:
+                seq.num_prompt_tokens_billed = seq.num_cached_tokens
+                self.policy.on_tokens(seq, 0, 0, seq.num_cached_tokens)
+            fresh_prompt = max(0, min(end, seq.num_prompt_tokens) - seq.num_prompt_tokens_billed)
+            if fresh_prompt:
+                seq.num_prompt_tokens_billed += fresh_prompt
+                self.policy.on_tokens(seq, fresh_prompt, 0)
+            seq.num_computed_tokens = end
+            self.kv.cache_full_blocks(seq.request_id, seq.token_ids, end, seq.tenant_id)
 
     def _refuse_expired(self, now: float) -> list[Sequence]:
         """End the waiting requests that were never started and whose start deadline has passed."""
@@ -169,7 +182,6 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def _prefill(
@@ -221,58 +233,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
-            if seq.num_computed_tokens:  # billed at the cached weight, never as computed prefill
-                seq.num_cached_tokens = seq.num_prompt_tokens_billed = seq.num_computed_tokens
-                self.policy.on_tokens(seq, 0, 0, seq.num_cached_tokens)
+            seq.num_cached_tokens = seq.num_computed_tokens  # billed at the cached weight by complete()
         planned[seq.request_id] = (seq, n)
         return True, budget - n
 
-    def _build(self, planned: list[tuple[Sequence, int]]) -> ScheduledStep:
-        """Flatten the planned chunks (query length 1 first) into the model's StepBatch."""
-        if not planned:
-            return ScheduledStep(batch=None, sample_seqs=[])
+    @staticmethod
+    def _plan(planned: list[tuple[Sequence, int]]) -> StepPlan:
+        """The step's sequences, decodes first, and which of them yield logits (those reaching their end)."""
         planned.sort(key=lambda item: item[1] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
-        num_prefill = 0
-        for seq, n in planned:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.kv.slots(seq.request_id, start, end))
-            query_lens.append(n)
-            context_lens.append(end)
-            block_tables.append(self.kv.block_tables[seq.request_id])
-            if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-            if seq.num_uncomputed_tokens > 1:
-                num_prefill += n
-            fresh_prompt = max(0, min(end, seq.num_prompt_tokens) - seq.num_prompt_tokens_billed)
-            if fresh_prompt:
-                seq.num_prompt_tokens_billed += fresh_prompt
-                self.policy.on_tokens(seq, fresh_prompt, 0)
-            seq.num_computed_tokens = end
-            self.kv.cache_full_blocks(seq.request_id, seq.token_ids, end, seq.tenant_id)
-        batch = StepBatch.from_lists(
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slots,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            logits_indices=logits_indices,
-            device=self.device,
-        )
-        return ScheduledStep(
-            batch=batch,
-            sample_seqs=sample_seqs,
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=len(input_ids) - num_prefill,
-        )
+        sample_seqs = [seq for seq, n in planned if seq.num_computed_tokens + n == seq.num_tokens]
+        num_prefill = sum(n for seq, n in planned if seq.num_uncomputed_tokens > 1)
+        total = sum(n for _, n in planned)
+        return StepPlan(planned, sample_seqs, num_prefill, total - num_prefill)

@@ -40,7 +40,6 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    num_preemptions: int = 0
     predicted_ttft: float | None = None  # the engine's estimate when the request arrived
     tpot_target_s: float | None = None  # the time per output token its client was promised, if any
     start_deadline: float | None = None  # time.monotonic() after which it is refused rather than started

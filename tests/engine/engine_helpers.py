@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from engine.batch import StepBatch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import KVCacheManager
+from engine.model_runner import step_batch
+from engine.scheduler import Scheduler, StepPlan
 
 
 def make_core(model_dir: Path, **config) -> EngineCore:
@@ -22,16 +26,24 @@ def engine_config(model_dir: Path, **config) -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu", **config)
 
 
+def run_plan(scheduler: Scheduler) -> tuple[StepPlan, StepBatch | None]:
+    """Plan a step, lay it out as the model runner would, and complete it as if the model ran."""
+    plan = scheduler.schedule()
+    batch = step_batch(plan.scheduled, scheduler.kv, torch.device("cpu")) if plan.scheduled else None
+    scheduler.complete(plan)
+    return plan, batch
+
+
 def random_prompts(lengths: tuple[int, ...], seed: int, vocab_size: int = 49152) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def assert_block_references_match(kv: KVCacheManager) -> None:
-    """Every block is free or held by tables, with one reference per table that holds it; a block is in a
-    table at most once, and only prefix-cache blocks are in several."""
+def assert_block_references_match(kv: KVCacheManager, request_ids: Iterable[str]) -> None:
+    """Every block is free or held by the tables of ``request_ids``, with one reference per table that holds
+    it; a block is in a table at most once, and only prefix-cache blocks are in several."""
     owned: dict[int, int] = {}
-    for table in kv.block_tables.values():
+    for table in map(kv.table, request_ids):
         assert len(table) == len(set(table)), "a block is twice in one table"
         for block in table:
             owned[block] = owned.get(block, 0) + 1

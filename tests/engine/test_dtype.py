@@ -32,8 +32,8 @@ def test_auto_takes_the_candidate_with_the_fastest_measured_steps(tiny_model_dir
 
 def test_the_engine_runs_and_caches_in_the_chosen_dtype(tiny_model_dir: Path) -> None:
     core = make_core(tiny_model_dir, dtype="auto")
-    assert core.model.dtype in (torch.float32, torch.bfloat16)
-    assert core.kv_tensors.keys[0].dtype == core.model.dtype
+    assert core.runner.model.dtype in (torch.float32, torch.bfloat16)
+    assert core.runner.kv_tensors.keys[0].dtype == core.runner.model.dtype
 
 
 def _hf_logits(model, prompt: list[int]) -> torch.Tensor:

@@ -6,12 +6,14 @@ import itertools
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.cost import CostWeights
 from engine.kv_cache import KVCacheManager
 from engine.policies import FairSharePolicy, make_policy
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.types import SamplingParams
+from tests.engine.engine_helpers import run_plan
 
 _ids = itertools.count()
 
@@ -90,19 +92,32 @@ def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
 def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4, prefix_caching=False)
     policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
-    scheduler = Scheduler(kv, policy, max_model_len=16, max_batched_tokens=16, prefill_chunk_size=16)
+    limits = EngineConfig(max_batched_tokens=16, max_num_seqs=16, prefill_chunk_size=16)
+    scheduler = Scheduler(kv, policy, limits, max_model_len=16)
     first, second = request("a", 0.0, prompt=6), request("b", 1.0, prompt=6)
     for seq in (first, second):
         scheduler.add(seq)
     token = itertools.count(50_000)
     for _ in range(12):  # both grow until blocks run out and one is preempted and recomputed
-        plan = scheduler.schedule()
+        plan, _ = run_plan(scheduler)
         for seq in plan.sample_seqs:
             scheduler.append_token(seq, next(token))
     assert scheduler.num_preemptions > 0
     for seq in (first, second):
         billed = 1 * seq.num_prompt_tokens + 2 * seq.num_output_tokens
         assert policy.counters[seq.tenant_id] == billed
+
+
+def test_prompt_tokens_are_charged_once_the_step_ran_not_when_it_is_planned() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=False)
+    policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
+    scheduler = Scheduler(kv, policy, EngineConfig(max_batched_tokens=4, max_num_seqs=4), max_model_len=32)
+    seq = request("a", 0.0, prompt=6)
+    scheduler.add(seq)
+    plan = scheduler.schedule()  # the first chunk: 4 of the 6 prompt tokens
+    assert plan.scheduled == [(seq, 4)] and policy.counters[seq.tenant_id] == 0
+    scheduler.complete(plan)
+    assert policy.counters[seq.tenant_id] == 4 and seq.num_computed_tokens == 4
 
 
 def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
@@ -118,31 +133,29 @@ def test_idle_tenants_are_forgotten_beyond_the_cap() -> None:
 
 def test_a_light_tenants_prompt_is_prefilled_before_a_heavy_tenants_admitted_long_prompts() -> None:
     kv = KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False)
-    scheduler = Scheduler(
-        kv, FairSharePolicy(), max_model_len=1024, max_batched_tokens=64, prefill_chunk_size=32
-    )
+    limits = EngineConfig(max_batched_tokens=64, prefill_chunk_size=32)
+    scheduler = Scheduler(kv, FairSharePolicy(), limits, max_model_len=1024)
     heavy = [request("heavy", float(i), prompt=200) for i in range(3)]
     for seq in heavy:
         scheduler.add(seq)
-    first = scheduler.schedule()  # the heavy prompts are admitted and their prefill begins
+    first, _ = run_plan(scheduler)  # the heavy prompts are admitted and their prefill begins
     assert first.num_prefill_tokens == 64
     light = request("light", 10.0, prompt=24)
     scheduler.add(light)
-    plan = scheduler.schedule()
-    served = dict(zip(plan.batch.query_lens, plan.batch.context_lens, strict=True))
+    plan, batch = run_plan(scheduler)
+    served = dict(zip(batch.query_lens, batch.context_lens, strict=True))
     assert light.num_computed_tokens == 24 and 24 in served  # all of the light prompt, in this step
     assert plan.num_prefill_tokens == 64  # and the heavy prompts take the rest of the budget
     fcfs = Scheduler(
         KVCacheManager(num_blocks=256, block_size=4, prefix_caching=False),
         make_policy("fcfs"),
+        limits,
         max_model_len=1024,
-        max_batched_tokens=64,
-        prefill_chunk_size=32,
     )
     for seq in [request("heavy", float(i), prompt=200) for i in range(3)]:
         fcfs.add(seq)
-    fcfs.schedule()
+    run_plan(fcfs)
     late = request("light", 10.0, prompt=24)
     fcfs.add(late)
-    fcfs.schedule()
+    run_plan(fcfs)
     assert late.num_computed_tokens == 0  # first come, first served: it waits behind the heavy prompts

@@ -23,11 +23,11 @@ def test_full_blocks_are_shared_by_hash_and_the_last_tokens_block_never() -> Non
     tokens = list(range(100, 110))  # two full blocks and a partial one
     computed(kv, "a", tokens)
     assert kv.share_prefix("b", tokens[:9] + [7, 7], "t") == 8  # both full blocks
-    assert kv.block_tables["b"] == kv.block_tables["a"][:2]
+    assert kv.table("b") == kv.table("a")[:2]
     assert kv.share_prefix("c", tokens[:8], "t") == 4  # its last token's block is computed, not shared
     assert kv.share_prefix("d", tokens, "other tenant") == 0
     assert kv.share_prefix("e", [1, *tokens[1:]], "t") == 0  # a different first token: a different chain
-    assert_block_references_match(kv)
+    assert_block_references_match(kv, "abcde")
     for request_id in ("a", "b", "c"):
         kv.free(request_id)
     assert kv.num_free_blocks == kv.num_blocks  # cached blocks no one holds count as free
@@ -46,7 +46,7 @@ def test_cached_blocks_are_evicted_least_recently_used_when_memory_runs_out() ->
     assert kv.grow("new", 8)  # takes the two blocks of the least recently freed prompt
     assert kv.share_prefix("again-old", old + [1], "t") == 0
     assert kv.share_prefix("again-recent", recent + [1], "t") == 8
-    assert_block_references_match(kv)
+    assert_block_references_match(kv, ["old", "recent", "new", "again-old", "again-recent"])
 
 
 def test_a_shared_system_prompt_is_computed_once_and_billed_as_cached(tiny_model_dir: Path) -> None:
