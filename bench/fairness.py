@@ -119,8 +119,11 @@ def run_workload(core, workload: Workload, token_ids: Sequence[int], seed: int, 
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     from bench.model import bench_device, bench_model_dir, load_tokenizer
     from bench.workload import ordinary_token_ids
+    from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.models import load_model
     from engine.tokenizer import Tokenizer
@@ -134,22 +137,16 @@ def run(args: argparse.Namespace) -> dict:
     length = RunLength(args.steps or (QUICK_STEPS if args.quick else FULL_STEPS), args.seconds)
     num_blocks = kv_pool_blocks()
 
-    def new_core(policy: str, calibrate: bool = False) -> EngineCore:
-        core = EngineCore(
-            model,
-            tokenizer,
-            num_blocks=num_blocks,
-            block_size=BLOCK_SIZE,
-            max_num_seqs=MAX_NUM_SEQS,
-            policy=policy,
-            device=device,
-            calibrate_steps=calibrate,
-        )
+    def new_core(policy: str) -> EngineCore:
+        """An engine of its own on the loaded model (its start-up step calibration runs the model at the
+        usual step shapes, which also warms them up)."""
+        config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, policy=policy)
+        core = EngineCore(model, tokenizer, config, num_blocks=num_blocks, device=torch.device(device))
         core.scheduler.policy = MeteredPolicy(core.scheduler.policy)
         return core
 
-    progress("warming up: the engine's step calibration, once")
-    new_core("fcfs", calibrate=True)  # runs the model at the usual step shapes
+    progress("warming up: one engine's step calibration")
+    new_core("fcfs")
     workloads = {}
     for workload in WORKLOADS:
         workloads[workload.name] = {}
