@@ -221,12 +221,14 @@ class Admission:
         ):
             reason = "kv"  # requests served before it already wait for memory its prefill would need too
         else:
-            # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
-            # size only, the request runs even if it would miss its target alone.
+            # Shedding protects the work in the engine (prefill queued ahead, requests running: their decodes
+            # share every step); on an idle engine, or with an estimate that rests on one step size only, the
+            # request runs even if it would miss its target alone.
             estimate = self._engine.estimate_ttft(prompt_len, tenant, principal.tenant.weight)
             predicted = estimate.seconds * _estimate_correction(stats)
             limit = _slo_limit(principal.tenant.ttft_target_s, estimate.share_ratio)
-            if estimate.queued_tokens and estimate.reliable and predicted > limit:
+            busy = estimate.queued_tokens > 0 or stats.running > 0
+            if busy and estimate.reliable and predicted > limit:
                 reason = "slo"
                 retry_after = max(1.0, predicted - limit)
         if reason is None:

@@ -158,9 +158,9 @@ async def test_a_request_that_cannot_start_by_its_deadline_is_refused_before_any
 ) -> None:
     model = _model(fair_server)
     blocker_id, blocker = _tenant(fair_server, ttft_target_s=PATIENT_S)
-    late_id, late = _tenant(fair_server, ttft_target_s=0.01)
-    # Two long decodes hold both running places; nothing is left to prefill, so admission lets the late
-    # tenant's requests in, and they wait for a place past their deadline.
+    late_id, late = _tenant(fair_server, ttft_target_s=1.0)
+    # Two long decodes hold both running places; a step beside them takes far less than the late tenant's
+    # target, so admission lets its requests in, and they wait for a place past their deadline.
     streams = [
         await blocker.completions.create(
             model=model, prompt=_prompt(7000 + i, 8), max_tokens=2000, temperature=0, stream=True
