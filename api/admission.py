@@ -1,5 +1,7 @@
 """From a validated body to an admitted ``Job``: tokenize, bound the output, reserve, and shed what the
-engine cannot serve within the tenant's TTFT target (docs/architecture.md, "A request's path", steps 4-6)."""
+engine cannot serve within the tenant's TTFT target (docs/architecture.md, "A request's path", steps 4-6).
+The shed checks also run before tokenizing, on a lower bound of the prompt, so that most refusals under
+overload cost neither tokenization nor a reservation."""
 
 from __future__ import annotations
 
