@@ -13,6 +13,7 @@ from engine.models.config import ModelConfig
 from engine.models.dtype_choice import choose_dtype
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
 from engine.models.memory import retain_freed_memory
+from engine.models.packed_weights import Packed, PackedLayer, PackedWeights, pack_weights
 from engine.models.rope import Rotary, apply_rotary
 
 
@@ -27,9 +28,11 @@ class PagedLlama:
         dtype: torch.dtype,
         min_rows: int = 1,
         row_multiple: int = 1,
+        packed: PackedWeights | None = None,
     ) -> None:
         self.config = config
         self.weights = weights
+        self.packed = packed  # packed forms that decode-sized steps run (see packed_weights)
         self.device = device
         self.dtype = dtype
         self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
@@ -75,12 +78,14 @@ class PagedLlama:
         cos, sin = self.rotary.lookup(batch.positions.to(self.device))
         hidden = F.embedding(input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):
+            packed = self.packed.layers[index] if self.packed else NOT_PACKED
             hidden = self._layer(
-                hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
+                hidden, layer, packed, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
             )
         selected = hidden.index_select(0, batch.logits_indices.to(self.device))
         normed = rms_norm(selected, self.weights.final_norm, cfg.rms_norm_eps)
-        return self._linear(normed, self.weights.lm_head).float()
+        head = self.packed.lm_head if self.packed else None
+        return self._linear(normed, self.weights.lm_head, None, head).float()
 
     __call__ = forward
 
@@ -88,6 +93,7 @@ class PagedLlama:
         self,
         hidden: torch.Tensor,
         layer: LayerWeights,
+        packed: PackedLayer,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_size: int,
@@ -100,7 +106,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias, packed.qkv)
         rotated = apply_rotary(
             qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
         )
@@ -109,15 +115,22 @@ class PagedLlama:
         key_cache.index_copy_(0, slots, k)
         value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
-        hidden.add_(self._linear(attn, layer.out, layer.out_bias))
+        hidden.add_(self._linear(attn, layer.out, layer.out_bias, packed.out))
         x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias))
+        gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias, packed.gate_up).chunk(2, dim=-1)
+        down = self._linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias, packed.down)
+        return hidden.add_(down)
 
     def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: Packed | None = None,
     ) -> torch.Tensor:
         rows = x.shape[0]
+        if packed is not None and packed.runs(rows):
+            return packed.matrix.linear(x, bias)
         target = max(self.min_rows, -(-rows // self.row_multiple) * self.row_multiple)
         if rows == target or rows == 0:
             return F.linear(x, weight, bias)
@@ -126,6 +139,7 @@ class PagedLlama:
 
 
 ROW_MULTIPLE_16BIT = 16
+NOT_PACKED = PackedLayer(qkv=None, out=None, gate_up=None, down=None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,4 +165,5 @@ def load_model(
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
     row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
-    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple)
+    packed = pack_weights(weights, device, choice.dtype)
+    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, packed)

@@ -1,0 +1,155 @@
+"""Which of a model's matrices run packed (``engine.models.packed``), and up to how many rows.
+
+At load, for an fp32 model on a CPU where the packed kernel runs, every projection matrix and the logits
+projection are packed where that is lossless. The packed kernel reads 5 or 8.5 bits a weight and wins on
+decode steps, which are bound by reading the weights; a dense GEMM wins once enough rows share each weight
+read. So the crossover is measured on the model's own matrices (layer 0's four projections and the logits
+projection), packed against dense, at ``ROWS``: a matrix runs packed for steps of at most the largest
+measured row count below which the packed product was faster at every count; the figures are logged.
+
+``$WEIR_PACKED_WEIGHTS`` overrides the choice: ``off`` keeps every matrix dense, a number packs (where
+lossless) up to that many rows without measuring, ``auto`` (the default) measures.
+
+Both forms are kept: prefill steps run the dense weights, so the packed copies add their size (about a fifth
+of the fp32 weights for Q4_1) to the model's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.loader import ModelWeights
+from engine.models.packed import PackedMatrix, pack_lossless, packed_kernel_available
+
+log = logging.getLogger("weir.engine")
+
+PACKED_ENV = "WEIR_PACKED_WEIGHTS"
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, ascending; timing stops at the first the packed loses
+REPEATS = 5  # the fastest of this many runs counts
+ROLES = ("qkv", "out", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed matrix and the largest step (in rows) it runs; larger steps take the dense weight."""
+
+    matrix: PackedMatrix
+    max_rows: int
+
+    def runs(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    qkv: Packed | None
+    out: Packed | None
+    gate_up: Packed | None
+    down: Packed | None
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """The packed forms of a model's matrices (None where a matrix stays dense only)."""
+
+    layers: list[PackedLayer]
+    lm_head: Packed | None
+
+    @property
+    def nbytes(self) -> int:
+        packed = [p for layer in self.layers for p in vars(layer).values() if p] + [self.lm_head]
+        return sum(p.matrix.nbytes for p in packed if p)
+
+
+def packed_setting() -> int | None:
+    """``$WEIR_PACKED_WEIGHTS`` as a row limit: None for ``auto`` (measure), 0 for ``off``."""
+    value = os.environ.get(PACKED_ENV, "auto").strip().lower()
+    if value == "auto":
+        return None
+    if value == "off":
+        return 0
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"{PACKED_ENV} must be auto, off or a row count, got {value!r}")
+
+
+def pack_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> PackedWeights | None:
+    """The packed forms of ``weights`` with their row limits, or None when nothing runs packed (not an
+    fp32 CPU model, ``off``, no kernel, no matrix packs losslessly, or packing measured slower)."""
+    setting = packed_setting()
+    if setting == 0 or device.type != "cpu" or dtype != torch.float32 or not packed_kernel_available():
+        return None
+    started = time.perf_counter()
+    matrices = [{role: pack_lossless(getattr(layer, role)) for role in ROLES} for layer in weights.layers]
+    head = pack_lossless(weights.lm_head)
+    found = [m for m in (*(m for layer in matrices for m in layer.values()), head) if m is not None]
+    if not found:
+        log.info("packed weights: no matrix is exactly Q4_1 or Q8_0; all stay dense")
+        return None
+    limits = {role: setting for role in (*ROLES, "lm_head")} if setting else None
+    if limits is None:
+        first = weights.layers[0]
+        samples = {role: (getattr(first, role), matrices[0][role]) for role in ROLES}
+        samples["lm_head"] = (weights.lm_head, head)
+        limits = {role: _measured_limit(role, dense, packed) for role, (dense, packed) in samples.items()}
+
+    def limited(matrix: PackedMatrix | None, role: str) -> Packed | None:
+        return Packed(matrix, limits[role]) if matrix is not None and limits[role] > 0 else None
+
+    result = PackedWeights(
+        layers=[PackedLayer(**{role: limited(layer[role], role) for role in ROLES}) for layer in matrices],
+        lm_head=limited(head, "lm_head"),
+    )
+    log.info(
+        "packed weights: %d of %d matrices lossless (%s), %.0f MB packed beside %.0f MB fp32, in %.1f s;"
+        " run packed up to %s rows",
+        len(found),
+        len(matrices) * len(ROLES) + 1,
+        ", ".join(sorted({m.format for m in found})),
+        result.nbytes / 1e6,
+        _dense_bytes(weights) / 1e6,
+        time.perf_counter() - started,
+        ", ".join(f"{role} {limit}" for role, limit in limits.items()),
+    )
+    return result if result.nbytes else None
+
+
+def _dense_bytes(weights: ModelWeights) -> int:
+    matrices = [getattr(layer, role) for layer in weights.layers for role in ROLES] + [weights.lm_head]
+    return sum(m.numel() * m.element_size() for m in matrices)
+
+
+def _timed(run: Callable[[], object]) -> float:
+    best = math.inf
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _measured_limit(role: str, dense: torch.Tensor, packed: PackedMatrix | None) -> int:
+    """The largest of ``ROWS`` up to which ``packed`` beat ``dense`` at every count (0: never); logged."""
+    if packed is None:
+        return 0
+    limit, figures = 0, []
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, dense.shape[1])
+            dense_s = _timed(lambda x=x: F.linear(x, dense))
+            packed_s = _timed(lambda x=x: packed.linear(x))
+            figures.append(f"{rows}: {dense_s * 1e3:.3f}/{packed_s * 1e3:.3f}")
+            if packed_s >= dense_s:
+                break
+            limit = rows
+    shape = tuple(dense.shape)
+    log.info("packed %s %s %s (rows: dense/packed ms): %s", packed.format, role, shape, ", ".join(figures))
+    return limit
