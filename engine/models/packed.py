@@ -98,11 +98,11 @@ def reference_linear(x: torch.Tensor, packed: PackedMatrix, bias: torch.Tensor |
 
 
 def pack_lossless(weight: torch.Tensor) -> PackedMatrix | None:
-    """``weight`` packed as Q4_1, else Q8_0, when the kernel decodes it back bit for bit; else None.
-
-    Needs the kernel (see :func:`packed_kernel_available`): the check decodes with its code.
-    """
+    """``weight`` packed as Q4_1, else Q8_0, when the kernel decodes it back bit for bit; else None (also
+    where the kernel is not available: the check decodes with its code)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.numel():
+        return None
+    if not packed_kernel_available():
         return None
     for encode in (_encode_q4_1, _encode_q8_0):
         packed = _encode(weight.contiguous(), encode)
@@ -152,23 +152,23 @@ def _encode_q8_0(blocks: torch.Tensor):  # noqa: ANN202 (q, d, None) or None
 
 
 def _search_scales(blocks: torch.Tensor, estimate: torch.Tensor, m: torch.Tensor | None, lo: int, hi: int):  # noqa: ANN202
-    """Try the fp16 scales near ``estimate`` per block; (q, d, m) once every block decodes exactly."""
+    """Try the fp16 scales near ``estimate`` per block; (q, d, m) once every block decodes exactly. Blocks
+    the nearest scale does not reproduce (rare) are retried alone with its neighbours."""
     offset = m.float().unsqueeze(-1) if m is not None else None
     shifted = blocks if offset is None else blocks - offset
-    found = torch.zeros(estimate.shape, dtype=torch.bool)
-    d = torch.zeros(estimate.shape, dtype=torch.float16)
-    q = torch.zeros(blocks.shape, dtype=torch.float32)
-    for candidate in _fp16_candidates(estimate):
-        scale = candidate.float().unsqueeze(-1)
-        codes = torch.where(scale == 0, 0.0, torch.round(shifted / scale)).clamp_(lo, hi)
-        decoded = scale * codes if m is None else scale * codes + offset
-        exact = (decoded.view(torch.int32) == blocks.view(torch.int32)).all(-1) & ~found
-        d = torch.where(exact, candidate, d)
-        q = torch.where(exact.unsqueeze(-1), codes, q)
-        found |= exact
-        if bool(found.all()):
+    candidates = _fp16_candidates(estimate)
+    d = candidates[0]
+    q, exact = _codes(blocks, shifted, d.float().unsqueeze(-1), offset, lo, hi)
+    missing = (~exact).nonzero(as_tuple=True)
+    for candidate in candidates[1:]:
+        if not missing[0].numel():
             break
-    else:
+        subset = (blocks[missing], shifted[missing], candidate[missing].float().unsqueeze(-1))
+        codes, ok = _codes(*subset, None if offset is None else offset[missing], lo, hi)
+        found = tuple(index[ok] for index in missing)
+        q[found], d[found] = codes[ok], candidate[found]
+        missing = tuple(index[~ok] for index in missing)
+    if missing[0].numel():
         return None
     rows = blocks.shape[0]
     if m is None:
@@ -176,3 +176,19 @@ def _search_scales(blocks: torch.Tensor, estimate: torch.Tensor, m: torch.Tensor
     codes = q.to(torch.uint8)
     half = BLOCK // 2
     return (codes[..., :half] | (codes[..., half:] << 4)).view(rows, -1), d, m
+
+
+def _codes(
+    blocks: torch.Tensor,
+    shifted: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    lo: int,
+    hi: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes of ``blocks`` at ``scale`` (a zero scale gives code 0) and which blocks they reproduce."""
+    codes = shifted.div(scale).round_().nan_to_num_(0.0).clamp_(lo, hi)
+    decoded = codes * scale
+    if offset is not None:
+        decoded += offset
+    return codes, (decoded.view(torch.int32) == blocks.view(torch.int32)).all(-1)
