@@ -6,7 +6,8 @@ single-stream decode.
 Part one times ``y = x @ W.T`` for SmolLM2's matrices (layer 0's four projections and the logits
 projection, the real weights) at each row count with every dense kernel the engine has here (``aten``:
 ``F.linear``; ``onednn`` where available) and with the packed kernel; each figure is the fastest of
-``--repeats`` runs, and the packed kernel's effective read bandwidth at 1 row is given. Part two runs one
+``--repeats`` runs, with the packed kernel's effective read bandwidth at 1 row and the time to decode the
+whole matrix to fp32 (what holding only the packed form would add to every larger step). Part two runs one
 request through the engine (fp32, a 128-token prompt of ordinary tokens, ``--tokens`` output tokens, EOS
 ignored) with ``$WEIR_PACKED_WEIGHTS`` off and then auto, after a warm-up request each: TTFT and TPOT (mean
 time between output tokens).
@@ -71,18 +72,21 @@ def kernel_rows(model_dir: Path, row_counts: list[int], repeats: int) -> tuple[t
         for name, weight in matrices.items():
             packed = pack_lossless(weight)
             forms = {kernel: KERNELS[kernel][0](weight) for kernel in dense_kernels}
+            decode = _best(packed.dequantize, repeats) * 1e3 if packed else None
             for count in row_counts:
                 progress(f"{name} {tuple(weight.shape)} x {count} rows")
                 x = torch.randn(count, weight.shape[1])
-                dense = [_best(lambda k=k: KERNELS[k][1](x, forms[k], None), repeats) for k in dense_kernels]
-                fast = _best(lambda: packed.linear(x), repeats) if packed else math.nan
+                dense = [
+                    _best(lambda k=k, x=x, forms=forms: KERNELS[k][1](x, forms[k], None), repeats)
+                    for k in dense_kernels
+                ]
+                fast = _best(lambda x=x, p=packed: p.linear(x), repeats) if packed else math.nan
                 read = packed.nbytes / fast / 1e9 if packed and count == 1 else None
                 fmt = packed.format if packed else "dense"
-                rows.append(
-                    (name, fmt, count, *(s * 1e3 for s in dense), fast * 1e3, min(dense) / fast, read)
-                )
+                speedup = min(dense) / fast
+                rows.append((name, fmt, count, *(s * 1e3 for s in dense), fast * 1e3, speedup, read, decode))
     headers = ("matrix", "format", "rows", *(f"{k} ms" for k in dense_kernels), "packed ms", "speed-up")
-    return (*headers, "packed GB/s"), rows
+    return (*headers, "packed GB/s", "decode ms"), rows
 
 
 def single_stream(model_dir: Path, setting: str, tokens: int, prompt: list[int]) -> tuple[float, float]:

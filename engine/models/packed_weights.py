@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.loader import ModelWeights
 from engine.models.packed import PackedMatrix, pack_lossless, packed_kernel_available
@@ -35,6 +34,7 @@ PACKED_ENV = "WEIR_PACKED_WEIGHTS"
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, ascending; timing stops at the first the packed loses
 REPEATS = 5  # the fastest of this many runs counts
 ROLES = ("qkv", "out", "gate_up", "down")
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,13 @@ def packed_setting() -> int | None:
     raise ValueError(f"{PACKED_ENV} must be auto, off or a row count, got {value!r}")
 
 
-def pack_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> PackedWeights | None:
+def pack_weights(
+    weights: ModelWeights, device: torch.device, dtype: torch.dtype, dense: dict[str, Product]
+) -> PackedWeights | None:
     """The packed forms of ``weights`` with their row limits, or None when nothing runs packed (not an
-    fp32 CPU model, ``off``, no kernel, no matrix packs losslessly, or packing measured slower)."""
+    fp32 CPU model, ``off``, no kernel, no matrix packs losslessly, or packing measured slower). ``dense``
+    is the product that runs each role's matrix of layer 0 (and the logits projection) otherwise: what
+    the packed kernel is timed against."""
     setting = packed_setting()
     if setting == 0 or device.type != "cpu" or dtype != torch.float32 or not packed_kernel_available():
         return None
@@ -99,7 +103,10 @@ def pack_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype
         first = weights.layers[0]
         samples = {role: (getattr(first, role), matrices[0][role]) for role in ROLES}
         samples["lm_head"] = (weights.lm_head, head)
-        limits = {role: _measured_limit(role, dense, packed) for role, (dense, packed) in samples.items()}
+        limits = {
+            role: _measured_limit(role, weight, dense[role], packed)
+            for role, (weight, packed) in samples.items()
+        }
 
     def limited(matrix: PackedMatrix | None, role: str) -> Packed | None:
         return Packed(matrix, limits[role]) if matrix is not None and limits[role] > 0 else None
@@ -136,20 +143,20 @@ def _timed(run: Callable[[], object]) -> float:
     return best
 
 
-def _measured_limit(role: str, dense: torch.Tensor, packed: PackedMatrix | None) -> int:
+def _measured_limit(role: str, weight: torch.Tensor, dense: Product, packed: PackedMatrix | None) -> int:
     """The largest of ``ROWS`` up to which ``packed`` beat ``dense`` at every count (0: never); logged."""
     if packed is None:
         return 0
     limit, figures = 0, []
     with torch.inference_mode():
         for rows in ROWS:
-            x = torch.randn(rows, dense.shape[1])
-            dense_s = _timed(lambda x=x: F.linear(x, dense))
+            x = torch.randn(rows, weight.shape[1])
+            dense_s = _timed(lambda x=x: dense(x))
             packed_s = _timed(lambda x=x: packed.linear(x))
             figures.append(f"{rows}: {dense_s * 1e3:.3f}/{packed_s * 1e3:.3f}")
             if packed_s >= dense_s:
                 break
             limit = rows
-    shape = tuple(dense.shape)
+    shape = tuple(weight.shape)
     log.info("packed %s %s %s (rows: dense/packed ms): %s", packed.format, role, shape, ", ".join(figures))
     return limit
