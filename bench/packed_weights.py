@@ -20,7 +20,6 @@ import math
 import os
 import random
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore, generate_offline  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.dense import KERNELS, available_kernels  # noqa: E402
+from engine.models.dtype_choice import fastest_seconds  # noqa: E402
 from engine.models.loader import load_weights  # noqa: E402
 from engine.models.packed import pack_lossless, packed_kernel_available  # noqa: E402
 from engine.models.packed_weights import PACKED_ENV  # noqa: E402
@@ -45,13 +45,8 @@ PROMPT_TOKENS = 128
 
 
 def _best(run: Callable[[], object], repeats: int) -> float:
-    run()
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
+    run()  # warm-up
+    return fastest_seconds(run, repeats)
 
 
 def kernel_rows(model_dir: Path, row_counts: list[int], repeats: int) -> tuple[tuple[str, ...], list[tuple]]:

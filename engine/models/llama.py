@@ -189,7 +189,8 @@ def load_model(
     weights = load_weights(model_dir, config, device, choice.dtype)
     row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
     model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, choice.plan)
-    dense = {role: getattr(model.layers[0], role) for role in ROLES} | {"lm_head": model.lm_head}
+    dense = {role: [getattr(layer, role) for layer in model.layers] for role in ROLES}
+    dense["lm_head"] = [model.lm_head]
     packed = pack_weights(weights, device, choice.dtype, dense)
     if packed is not None:
         model.use_packed(packed)

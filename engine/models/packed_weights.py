@@ -3,9 +3,11 @@
 At load, for an fp32 model on a CPU where the packed kernel runs, every projection matrix and the logits
 projection are packed where that is lossless. The packed kernel reads 5 or 8.5 bits a weight and wins on
 decode steps, which are bound by reading the weights; a dense GEMM wins once enough rows share each weight
-read. So the crossover is measured on the model's own matrices (layer 0's four projections and the logits
-projection), packed against dense, at ``ROWS``: a matrix runs packed for steps of at most the largest
-measured row count below which the packed product was faster at every count; the figures are logged.
+read. So the crossover is measured on the model's own matrices, packed against dense, at ``ROWS``: for each
+kind of matrix (the four projections, the logits projection) one product with every layer's matrix, so
+that the weights stream from memory as in a step (one layer's would sit in the cache), and each kind runs
+packed for steps of at most the largest measured row count up to which the packed products were faster
+at every count; the figures are logged.
 
 ``$WEIR_PACKED_WEIGHTS`` overrides the choice: ``off`` keeps every matrix dense, a number packs (where
 lossless) up to that many rows without measuring, ``auto`` (the default) measures.
@@ -17,7 +19,6 @@ of the fp32 weights for Q4_1) to the model's memory.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -25,14 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.dtype_choice import fastest_seconds
 from engine.models.loader import ModelWeights
 from engine.models.packed import PackedMatrix, pack_lossless, packed_kernel_available
 
 log = logging.getLogger("weir.engine")
 
 PACKED_ENV = "WEIR_PACKED_WEIGHTS"
-ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, ascending; timing stops at the first the packed loses
-REPEATS = 5  # the fastest of this many runs counts
+ROWS = (1, 4, 16, 64)  # row counts timed, ascending; timing stops at the first the packed loses
+REPEATS = 3  # the fastest of this many runs counts
 ROLES = ("qkv", "out", "gate_up", "down")
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -82,11 +84,11 @@ def packed_setting() -> int | None:
 
 
 def pack_weights(
-    weights: ModelWeights, device: torch.device, dtype: torch.dtype, dense: dict[str, Product]
+    weights: ModelWeights, device: torch.device, dtype: torch.dtype, dense: dict[str, list[Product]]
 ) -> PackedWeights | None:
     """The packed forms of ``weights`` with their row limits, or None when nothing runs packed (not an
     fp32 CPU model, ``off``, no kernel, no matrix packs losslessly, or packing measured slower). ``dense``
-    is the product that runs each role's matrix of layer 0 (and the logits projection) otherwise: what
+    holds, per role (``ROLES`` and ``lm_head``), the product that runs each layer's matrix otherwise: what
     the packed kernel is timed against."""
     setting = packed_setting()
     if setting == 0 or device.type != "cpu" or dtype != torch.float32 or not packed_kernel_available():
@@ -100,13 +102,8 @@ def pack_weights(
         return None
     limits = {role: setting for role in (*ROLES, "lm_head")} if setting else None
     if limits is None:
-        first = weights.layers[0]
-        samples = {role: (getattr(first, role), matrices[0][role]) for role in ROLES}
-        samples["lm_head"] = (weights.lm_head, head)
-        limits = {
-            role: _measured_limit(role, weight, dense[role], packed)
-            for role, (weight, packed) in samples.items()
-        }
+        packed_by_role = {role: [layer[role] for layer in matrices] for role in ROLES} | {"lm_head": [head]}
+        limits = {role: _measured_limit(role, dense[role], packed_by_role[role]) for role in dense}
 
     def limited(matrix: PackedMatrix | None, role: str) -> Packed | None:
         return Packed(matrix, limits[role]) if matrix is not None and limits[role] > 0 else None
@@ -134,29 +131,26 @@ def _dense_bytes(weights: ModelWeights) -> int:
     return sum(m.numel() * m.element_size() for m in matrices)
 
 
-def _timed(run: Callable[[], object]) -> float:
-    best = math.inf
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def _measured_limit(role: str, weight: torch.Tensor, dense: Product, packed: PackedMatrix | None) -> int:
-    """The largest of ``ROWS`` up to which ``packed`` beat ``dense`` at every count (0: never); logged."""
-    if packed is None:
+def _measured_limit(role: str, dense: list[Product], packed: list[PackedMatrix | None]) -> int:
+    """The largest of ``ROWS`` up to which the packed matrices of ``role`` beat their dense products at every
+    count (0: never), timed over every layer's matrix so that the weights come from memory as in a step;
+    logged."""
+    pairs = [(product, matrix) for product, matrix in zip(dense, packed, strict=True) if matrix is not None]
+    if not pairs:
         return 0
+    inputs = pairs[0][1].shape[1]
     limit, figures = 0, []
     with torch.inference_mode():
         for rows in ROWS:
-            x = torch.randn(rows, weight.shape[1])
-            dense_s = _timed(lambda x=x: dense(x))
-            packed_s = _timed(lambda x=x: packed.linear(x))
-            figures.append(f"{rows}: {dense_s * 1e3:.3f}/{packed_s * 1e3:.3f}")
+            x = torch.randn(rows, inputs)
+            dense_s = fastest_seconds(lambda x=x: [product(x) for product, _ in pairs], REPEATS)
+            packed_s = fastest_seconds(lambda x=x: [matrix.linear(x) for _, matrix in pairs], REPEATS)
+            figures.append(f"{rows}: {dense_s * 1e3:.2f}/{packed_s * 1e3:.2f}")
             if packed_s >= dense_s:
                 break
             limit = rows
-    shape = tuple(weight.shape)
-    log.info("packed %s %s %s (rows: dense/packed ms): %s", packed.format, role, shape, ", ".join(figures))
+    fmt, shape = pairs[0][1].format, pairs[0][1].shape
+    log.info(
+        "packed %s %s %s x %d (rows: dense/packed ms): %s", fmt, role, shape, len(pairs), ", ".join(figures)
+    )
     return limit

@@ -20,7 +20,7 @@ from engine.models.packed import (
     reference_dequantize,
     reference_linear,
 )
-from engine.models.packed_weights import PACKED_ENV, PackedWeights, packed_setting
+from engine.models.packed_weights import PACKED_ENV, ROWS, PackedWeights, packed_setting
 from engine.tokenizer import Tokenizer
 from tests.fixtures.models import paged_greedy
 
@@ -181,10 +181,11 @@ def test_tiny_model_greedy_is_the_same_packed(
     assert "9 of 9 matrices lossless" in caplog.text
 
 
+@pytest.mark.parametrize("setting", ["64", "auto"])
 def test_tiny_model_with_plain_weights_stays_dense(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    setting: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv(PACKED_ENV, "64")
+    monkeypatch.setenv(PACKED_ENV, setting)
     with caplog.at_level(logging.INFO, logger="weir.engine"):
         assert load_model(tiny_model_dir).packed is None
     assert "all stay dense" in caplog.text
@@ -195,9 +196,11 @@ def test_auto_measures_and_logs_the_choice(
 ) -> None:
     monkeypatch.setenv(PACKED_ENV, "auto")
     with caplog.at_level(logging.INFO, logger="weir.engine"):
-        load_model(block_model_dir)
+        model = load_model(block_model_dir)
     assert "(rows: dense/packed ms): 1: " in caplog.text
     assert "run packed up to" in caplog.text
+    chosen = [p for layer in model.packed.layers for p in vars(layer).values()] if model.packed else []
+    assert all(p is None or p.max_rows in ROWS for p in [*chosen, model.packed and model.packed.lm_head])
 
 
 def test_smollm2_greedy_is_the_same_packed(
