@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.packed_weights import Packed
+from engine.models.packed import Packed
 
 Prepare = Callable[[torch.Tensor], torch.Tensor]
 Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

@@ -65,6 +65,17 @@ class PackedMatrix:
         return torch.ops.weir_quant.packed_dequantize(self.q, self.d, self.m)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A packed matrix and the largest step (in rows) it runs; larger steps take the dense weight."""
+
+    matrix: PackedMatrix
+    max_rows: int
+
+    def runs(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows
+
+
 def packed_kernel_available() -> bool:
     """Build (first time only) and load the kernel; False, with a warning logged once, if that fails or it
     was compiled without AVX2 + FMA + F16C (its scalar loop is no faster than the dense path)."""

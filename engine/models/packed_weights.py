@@ -28,7 +28,7 @@ import torch
 
 from engine.models.dtype_choice import fastest_seconds
 from engine.models.loader import ModelWeights
-from engine.models.packed import PackedMatrix, pack_lossless, packed_kernel_available
+from engine.models.packed import Packed, PackedMatrix, pack_lossless, packed_kernel_available
 
 log = logging.getLogger("weir.engine")
 
@@ -37,17 +37,6 @@ ROWS = (1, 4, 16, 64)  # row counts timed, ascending; timing stops at the first 
 REPEATS = 3  # the fastest of this many runs counts
 ROLES = ("qkv", "out", "gate_up", "down")
 Product = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A packed matrix and the largest step (in rows) it runs; larger steps take the dense weight."""
-
-    matrix: PackedMatrix
-    max_rows: int
-
-    def runs(self, rows: int) -> bool:
-        return 0 < rows <= self.max_rows
 
 
 @dataclass(frozen=True)
