@@ -318,6 +318,14 @@ class BackendPool:
             self._affinity.move_to_end(key)
         while len(self._affinity) > AFFINITY_ENTRIES:
             self._affinity.popitem(last=False)
+        log.debug(
+            "request %s of tenant %s to %s (outstanding %.0f, %d waiting)",
+            pending.request_id,
+            pending.seq.tenant_id,
+            member.backend.name,
+            member.outstanding,
+            len(self._waiting),
+        )
         pending.member = member
         pending.dispatched_at = time.monotonic()
         member.outstanding += pending.remaining
