@@ -227,23 +227,37 @@ class EngineServer:
 
 
 @contextmanager
-def engine_serving(model_dir: Path, state_dir: Path, *options: str) -> Iterator[EngineServer]:
-    """``weir engine --model model_dir *options`` on a free port, once ready; stopped on exit."""
-    port = _free_port()
-    env = {**os.environ, "WEIR_STATE_DIR": str(state_dir), "WEIR_KERNEL_DIR": str(kernel_dir().resolve())}
-    command = [sys.executable, "-m", "api.cli", "engine", "--model", str(model_dir), "--port", str(port)]
-    log_path = state_dir / "engine.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [*command, "--dtype", "float32", *options],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-    engine = EngineServer(f"http://127.0.0.1:{port}", process, log_path)
+def engines_serving(model_dir: Path, state_dirs: list[Path], *options: str) -> Iterator[list[EngineServer]]:
+    """One ``weir engine --model model_dir *options`` per state directory, each on a free port, started
+    together and yielded once all are ready; stopped on exit."""
+    env = {**os.environ, "WEIR_KERNEL_DIR": str(kernel_dir().resolve())}
+    engines = []
     try:
-        _wait_ready(process, f"{engine.url}/health", log_path, "weir engine")
-        yield engine
+        for state_dir in state_dirs:
+            port = _free_port()
+            command = [
+                sys.executable,
+                "-m",
+                "api.cli",
+                "engine",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+            ]
+            log_path = state_dir / "engine.log"
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(
+                    [*command, "--dtype", "float32", *options],
+                    env={**env, "WEIR_STATE_DIR": str(state_dir)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=Path(__file__).resolve().parents[2],
+                )
+            engines.append(EngineServer(f"http://127.0.0.1:{port}", process, log_path))
+        for engine in engines:
+            _wait_ready(engine.process, f"{engine.url}/health", engine.log_path, "weir engine")
+        yield engines
     finally:
-        _stop(process)
+        for engine in engines:
+            _stop(engine.process)

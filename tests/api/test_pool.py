@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.server import ApiServer, EngineServer, engine_serving, run_db, serving, wait_until
+from tests.api.server import ApiServer, EngineServer, engines_serving, run_db, serving, wait_until
 from tests.api.test_fair_share import _prompt, _served
 from tests.fixtures.database import copy_of_template
 
@@ -37,11 +37,8 @@ PATIENT_S = 600.0
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineServer]]:
     states = [tmp_path_factory.mktemp(f"engine-{i}") for i in range(2)]
-    with (
-        engine_serving(tiny_model_dir, states[0], *ENGINE_OPTIONS) as first,
-        engine_serving(tiny_model_dir, states[1], *ENGINE_OPTIONS) as second,
-    ):
-        yield [first, second]
+    with engines_serving(tiny_model_dir, states, *ENGINE_OPTIONS) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

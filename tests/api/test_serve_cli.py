@@ -17,6 +17,8 @@ import pytest
         (["--header-timeout", "0"], "--header-timeout must be positive"),
         (["--policy", "lottery"], "--policy must be one of"),
         (["--port", "70000"], "--port must be in 1..65535"),
+        (["--backend", "ftp://10.0.0.5"], "backend URL must start with http:// or https:// or unix:"),
+        (["--backends", "/nonexistent/pool.toml"], "--backends /nonexistent/pool.toml: "),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str) -> None:
@@ -25,6 +27,22 @@ def test_bad_settings_are_one_line_errors(args: list[str], message: str) -> None
     )
     assert result.returncode == 1
     assert result.stderr.startswith("weir serve: error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "--port must be in 1..65535"),
+        (["--port", "9000", "--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+    ],
+)
+def test_bad_engine_settings_are_one_line_errors(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "engine", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("weir engine: error: ") and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
