@@ -31,6 +31,14 @@ class BackendFailed(Exception):
     """The backend could not serve the request (unreachable, 5xx, or its stream broke off)."""
 
 
+class _Refused(Exception):
+    """The backend refused the request as bad (4xx); ``last`` is its final delta."""
+
+    def __init__(self, last: RequestOutput) -> None:
+        super().__init__(last.error)
+        self.last = last
+
+
 @dataclass
 class Ticket:
     """One request as a backend receives it."""
@@ -91,6 +99,20 @@ class Backend:
             raise BackendFailed(f"{self.name}: GET {path} answered {response.status_code}")
         return response.content
 
+    async def _post_lines(self, ticket: Ticket, path: str, **body) -> AsyncIterator[str]:
+        """POST and stream the answer's lines; a 4xx raises ``_Refused``, anything else that is not a
+        whole 200 stream ``BackendFailed``."""
+        try:
+            async with self._http.stream("POST", path, **body) as response:
+                if 400 <= response.status_code < 500:
+                    raise _Refused(_refused(ticket, response.status_code, await response.aread()))
+                if response.status_code != 200:
+                    raise BackendFailed(f"{self.name} answered {response.status_code}")
+                async for line in response.aiter_lines():
+                    yield line
+        except httpx.HTTPError as exc:
+            raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
+
 
 def _refused(ticket: Ticket, status: int, body: bytes) -> RequestOutput:
     """The last delta of a request the backend refused as bad (not retried: another would refuse it too)."""
@@ -122,25 +144,16 @@ class WeirEngineBackend(Backend):
             ticket.tpot_target_s,
             ticket.start_within_s,
         )
-        request = self._http.build_request("POST", wire.GENERATE_PATH, content=body)
         finished = False
         try:
-            response = await self._http.send(request, stream=True)
-            try:
-                if 400 <= response.status_code < 500:
-                    yield _refused(ticket, response.status_code, await response.aread())
-                    return
-                if response.status_code != 200:
-                    raise BackendFailed(f"{self.name} answered {response.status_code}")
-                async for line in response.aiter_lines():
-                    if line:
-                        delta = wire.decode_delta(ticket.request_id, line.encode())
-                        finished = delta.finished
-                        yield delta
-            finally:
-                await response.aclose()
-        except httpx.HTTPError as exc:
-            raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
+            async for line in self._post_lines(ticket, wire.GENERATE_PATH, content=body):
+                if line:
+                    delta = wire.decode_delta(ticket.request_id, line.encode())
+                    finished = delta.finished
+                    yield delta
+        except _Refused as refused:
+            yield refused.last
+            return
         if not finished:
             raise BackendFailed(f"{self.name} ended the stream before the request finished")
 
@@ -185,29 +198,24 @@ class OpenAIBackend(Backend):
         finish = None
         usage = None
         try:
-            async with self._http.stream("POST", path, json=body) as response:
-                if 400 <= response.status_code < 500:
-                    yield _refused(ticket, response.status_code, await response.aread())
-                    return
-                if response.status_code != 200:
-                    raise BackendFailed(f"{self.name} answered {response.status_code}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                        continue
-                    chunk = msgspec.json.decode(line[5:].strip())
-                    if "error" in chunk:
-                        raise BackendFailed(f"{self.name} sent an error event: {chunk['error']}")
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                        finish = choice.get("finish_reason") or finish
-                        if text:
-                            chunks += 1  # an estimate until the usage arrives: a chunk is one token or more
-                            yield RequestOutput(
-                                ticket.request_id, text=text, output_tokens=chunks, prompt_tokens=0
-                            )
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
+            async for line in self._post_lines(ticket, path, json=body):
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = msgspec.json.decode(line[5:].strip())
+                if "error" in chunk:
+                    raise BackendFailed(f"{self.name} sent an error event: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    finish = choice.get("finish_reason") or finish
+                    if text:
+                        chunks += 1  # an estimate until the usage arrives: a chunk is one token or more
+                        yield RequestOutput(ticket.request_id, text=text, output_tokens=chunks)
+        except _Refused as refused:
+            yield refused.last
+            return
+        except msgspec.DecodeError as exc:
+            raise BackendFailed(f"{self.name}: a chunk that is not JSON: {exc}") from None
         if finish is None:
             raise BackendFailed(f"{self.name} ended the stream without a finish reason")
         yield _last(ticket, finish, usage, chunks)

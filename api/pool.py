@@ -354,6 +354,9 @@ class BackendPool:
                     self._on_delta(pending, member, delta)
         except BackendFailed as exc:
             self._on_failure(pending, member, exc)
+        except Exception as exc:  # a backend answer this code cannot read is that backend's failure
+            log.exception("request %s: unreadable answer from %s", pending.request_id, member.backend.name)
+            self._on_failure(pending, member, BackendFailed(f"{member.backend.name}: {exc}"))
         except asyncio.CancelledError:
             self._finish(pending, self._last(pending, "abort"))
 

@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.api.server import ApiServer, EngineServer, engines_serving, run_db, serving, wait_until
-from tests.api.test_fair_share import _prompt, _served
+from tests.api.server import ApiServer, EngineServer, engines_serving, serving, wait_until
+from tests.api.test_fair_share import _model, _prompt, _served, _tenant
 from tests.fixtures.database import copy_of_template
 
 ENGINE_OPTIONS = (
@@ -61,15 +60,6 @@ def gateway(
         serving(tiny_model_dir, url, state, *options) as server,
     ):
         yield server
-
-
-def _tenant(server: ApiServer, **options) -> tuple[int, openai.AsyncOpenAI]:
-    tenant_id, key = run_db(server.database_url, server.create_tenant, **options)
-    return tenant_id, openai.AsyncOpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=300)
-
-
-def _model(server: ApiServer) -> str:
-    return httpx.get(f"{server.base_url}/readyz").json()["model"]
 
 
 def _all_idle(engines: list[EngineServer]) -> bool:
