@@ -96,16 +96,25 @@ def load_pool_config(path: str | None, urls: list[str]) -> PoolConfig:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise BackendConfigError(f"--backends {path}: {exc}") from None
         settings = data.get("pool", {})
+        entries = data.get("backends", [])
         unknown = set(settings) - _POOL_KEYS | set(data) - {"pool", "backends"}
-        for entry in data.get("backends", []):
-            unknown |= set(entry) - _BACKEND_KEYS
-            if "url" not in entry:
-                raise BackendConfigError(f"--backends {path}: every [[backends]] entry needs a url")
-            specs.append(BackendSpec(**entry))
+        unknown |= {key for entry in entries for key in set(entry) - _BACKEND_KEYS}
         if unknown:
             raise BackendConfigError(f"--backends {path}: unknown keys: {', '.join(sorted(unknown))}")
+        for entry in entries:
+            if "url" not in entry:
+                raise BackendConfigError(f"--backends {path}: every [[backends]] entry needs a url")
+            specs.append(_checked(BackendSpec, entry))
     specs += [BackendSpec.parse(url) for url in urls]
-    return PoolConfig(tuple(specs), **settings)
+    return _checked(PoolConfig, {"backends": tuple(specs), **settings})
+
+
+def _checked(kind: type, values: dict):
+    """``kind(**values)``, a value of the wrong type being a ``BackendConfigError``."""
+    try:
+        return kind(**values)
+    except TypeError as exc:
+        raise BackendConfigError(f"a value of the wrong type in the backend settings: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,11 @@ async def test_fair_shares_hold_across_the_pool(gateway: ApiServer, engines: lis
     ]
     assert all(tokens == 32 for tokens in await asyncio.gather(*jobs))
     rows = {w: gateway.wait_usage(tenant_id, requests) for w, (tenant_id, _) in tenants.items()}
+    # The window in which both tenants had requests waiting for their turn: from the later one's first
+    # arrival to the start of the first one's last request (after it, the other's requests fill the
+    # window of outstanding work while the last ones of the first still run).
     since = max(min(r["started_at"] for r in rs) for rs in rows.values())
-    until = min(max(r["started_at"] + timedelta(seconds=r["e2e_s"]) for r in rs) for rs in rows.values())
+    until = min(max(r["started_at"] + timedelta(seconds=r["ttft_s"]) for r in rs) for rs in rows.values())
     assert (until - since).total_seconds() > 0
     light, heavy = (_served(rows[w], since, until) for w in (1.0, 2.0))
     assert heavy / light == pytest.approx(2.0, rel=0.15)
