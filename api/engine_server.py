@@ -102,7 +102,7 @@ class EngineApp:
         watcher.cancel()
         if not stream.done():  # the client went away: closing the generator aborts the engine request
             stream.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, OSError):  # OSError: a send after the client left
             await stream
 
     async def _stream(self, request: wire.GenerateRequest, params, send) -> None:
