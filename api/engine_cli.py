@@ -25,15 +25,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    if args.port is not None and not 0 < args.port < 65536:
+        raise SystemExit(f"weir engine: error: --port must be in 1..65535, got {args.port}")
+    config = engine_config(args, "engine")
     import logging
 
     from api.engine_server import run_engine_server
     from engine.client import AsyncEngine
     from engine.weights import resolve_model_dir
 
-    if args.port is not None and not 0 < args.port < 65536:
-        raise SystemExit(f"weir engine: error: --port must be in 1..65535, got {args.port}")
-    config = engine_config(args, "engine")
     try:
         model_dir = resolve_model_dir(args.model, config.resolved_state_dir())
     except ValueError as exc:
