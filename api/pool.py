@@ -250,9 +250,10 @@ class BackendPool:
         _, _, rate = self._rates()
         ttfts = [m.window.ttft_s for m in self._members if m.healthy and m.window.ttft_s is not None]
         backend_s = min(ttfts) if ttfts else 0.0
+        share = self.policy.share_ratio(tenant_id, weight)
         if not rate:
-            return TTFTEstimate(backend_s, ahead, False)
-        return TTFTEstimate(ahead * prefill / rate + backend_s, ahead, bool(ttfts))
+            return TTFTEstimate(backend_s, ahead, False, share)
+        return TTFTEstimate(ahead * prefill / rate + backend_s, ahead, bool(ttfts), share)
 
     # -- dispatch ---------------------------------------------------------------------------------------
 
