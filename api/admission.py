@@ -12,6 +12,7 @@ import uuid
 from functools import partial
 from typing import TYPE_CHECKING
 
+from api.backends import PromptSource
 from api.errors import bad_request
 from api.metering import Job
 from api.openai_format import ResponseShape
@@ -141,6 +142,12 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     )
 
 
+def _source(body: ChatCompletionRequest | CompletionRequest) -> PromptSource:
+    if isinstance(body, ChatCompletionRequest):
+        return PromptSource(messages=body.chat_messages())
+    return PromptSource(prompt=body.prompt_input())
+
+
 def _estimate_correction(stats: EngineStats) -> float:
     """What the TTFT estimate is multiplied by before it is held against a target: the engine's recent
     actual / predicted ratio (median), when the estimate has run short, capped at ``MAX_ESTIMATE_CORRECTION``.
@@ -207,6 +214,7 @@ class Admission:
             tpot_target_s=principal.tenant.tpot_target_s,
             weight=principal.tenant.weight,
             start_within_s=principal.tenant.ttft_target_s + self._deadline_grace_s,
+            source=_source(body),
         )
 
     def _shed(self, principal: Principal, prompt_len: int) -> None:
@@ -218,7 +226,8 @@ class Admission:
         if self._queue_full(stats, tenant):
             reason = "queue"
         elif (
-            self._waiting_ahead(stats, tenant)
+            stats.kv_blocks_total  # a pool of OpenAI-compatible servers reports no KV memory
+            and self._waiting_ahead(stats, tenant)
             and math.ceil(prompt_len / stats.block_size) > stats.kv_blocks_free
         ):
             reason = "kv"  # requests served before it already wait for memory its prefill would need too

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "engine.cli",  # generate, model import
     "tenants.cli",  # db, tenant, key, usage
     "api.serve_cli",  # serve, demo
+    "api.engine_cli",  # engine
     "bench.cli",  # bench engine, bench serve
 )
 

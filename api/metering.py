@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from api.backends import PromptSource
 from api.errors import APIError
 from api.openai_format import ResponseShape, usage_dict
 from api.output_allowance import OutputAllowance
@@ -36,6 +37,7 @@ class Job:
         None  # refused unstarted after this long in the queue (TTFT target + grace)
     )
     weight: float = 1.0  # the tenant's share weight under the fair policy
+    source: PromptSource | None = None  # the prompt as sent, for backends that take text (api/pool.py)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     started: float = field(default_factory=time.monotonic)
 

@@ -8,10 +8,10 @@ import logging
 import os
 import secrets
 
+from api.engine_options import add_engine_options, engine_config
 from api.request_log import LOG_FORMATS, configure_logging
 from api.settings import Settings
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
-from engine.config import DTYPES, EngineConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,9 +23,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--host", default=Settings.host)
     serve.add_argument("--port", type=int, default=Settings.port)
-    serve.add_argument(
-        "--model", help="a Hugging Face Llama-family directory (default: SmolLM2-135M-Instruct)"
-    )
     serve.add_argument("--model-name", help="the model name clients send (default: the directory's name)")
     serve.add_argument(
         "--client-timeout",
@@ -35,23 +32,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="drop a connection whose client has not read for this long "
         f"(default {Settings.client_timeout_s:g})",
     )
-    serve.add_argument("--kv-cache-memory", type=int, metavar="MIB", help="KV cache size in MiB")
+    add_engine_options(serve)
     serve.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=EngineConfig.dtype,
-        help=f"compute dtype (default {EngineConfig.dtype}: the fastest, measured)",
-    )
-    serve.add_argument("--max-batched-tokens", type=int, help="tokens per engine step")
-    serve.add_argument("--max-num-seqs", type=int, help="running sequences at most")
-    serve.add_argument(
-        "--policy", help="scheduling policy: fair (weighted fair share by cost, the default) or fcfs"
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="serve through this backend instead of an engine of its own (repeatable): a `weir engine` "
+        "(http://HOST:PORT or unix:PATH) or an OpenAI-compatible server (openai:BASE_URL[#MODEL]); "
+        "--model still names the tokenizer and chat template",
     )
     serve.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="compute every prompt in full (default: share full blocks of a tenant's repeated prefixes)",
+        "--backends", metavar="FILE", help="a TOML file listing the backends and the pool's settings"
     )
     serve.add_argument(
         "--max-waiting",
@@ -146,26 +138,9 @@ def _positive(name: str, value: float | None) -> None:
         raise SystemExit(f"weir serve: error: --{name} must be positive, got {value}")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's flags as its config (flags not given keep ``EngineConfig``'s defaults)."""
-    options = {"dtype": args.dtype, "prefix_caching": args.prefix_caching}
-    if args.kv_cache_memory is not None:
-        options["kv_cache_memory"] = args.kv_cache_memory << 20
-    for name in ("max_batched_tokens", "max_num_seqs", "policy"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    try:
-        return EngineConfig(**options)
-    except ValueError as exc:
-        raise SystemExit(f"weir serve: error: {exc}") from None
-
-
 def _serve(args: argparse.Namespace) -> int:
     for name in (
         "client_timeout",
-        "kv_cache_memory",
-        "max_batched_tokens",
-        "max_num_seqs",
         "max_waiting",
         "max_body_bytes",
         "max_connections",
@@ -185,12 +160,10 @@ def _serve(args: argparse.Namespace) -> int:
         check_environment(os.environ)
     except ValueError as exc:
         raise SystemExit(f"weir serve: error: {exc}") from None
-    from engine.policies import POLICIES
     from engine.weights import resolve_model_dir
 
-    if args.policy is not None and args.policy not in POLICIES:
-        raise SystemExit(f"weir serve: error: --policy must be one of {', '.join(sorted(POLICIES))}")
-    engine = _engine_config(args)
+    engine = engine_config(args, "serve")
+    backends = _backends(args)
     if not 0 < args.port < 65536:
         raise SystemExit(f"weir serve: error: --port must be in 1..65535, got {args.port}")
 
@@ -227,6 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         metrics_public=args.metrics_public,
         metrics_max_tenants=args.metrics_max_tenants,
+        backends=backends,
     )
     limits = TransportLimits(
         max_connections=args.max_connections,
@@ -236,6 +210,18 @@ def _serve(args: argparse.Namespace) -> int:
     )
     run_server(settings, limits, args.log_level)
     return 0
+
+
+def _backends(args: argparse.Namespace):  # -> api.backends.PoolConfig | None
+    """The pool from ``--backends FILE`` and ``--backend URL`` (None: the in-process engine)."""
+    from api.backends import BackendConfigError, load_pool_config
+
+    if args.backends is None and not args.backend:
+        return None
+    try:
+        return load_pool_config(args.backends, args.backend)
+    except BackendConfigError as exc:
+        raise SystemExit(f"weir serve: error: {exc}") from None
 
 
 class _DroppedClientFilter(logging.Filter):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from api.admission import Admission
+from api.pool import BackendPool
 from api.refusals import model_not_found, not_ready
 from api.settings import Settings
 from api.settlement import Settlement
@@ -22,7 +23,7 @@ log = logging.getLogger("weir.api")
 class ServedModel:
     """The model this process serves, under the name clients send."""
 
-    def __init__(self, engine: AsyncEngine, name: str | None) -> None:
+    def __init__(self, engine: AsyncEngine | BackendPool, name: str | None) -> None:
         self._engine = engine
         self._name = name
 
@@ -45,7 +46,11 @@ class Services:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.engine = AsyncEngine(settings.engine)
+        self.engine: AsyncEngine | BackendPool = (
+            AsyncEngine(settings.engine)
+            if settings.backends is None
+            else BackendPool(settings.backends, settings.engine, settings.weights, settings.deadline_grace_s)
+        )
         self.model = ServedModel(self.engine, settings.model_name)
         self.store = TenantStore(settings.database_url, settings.state_dir / "spill")
         self.admission = Admission(self.engine, self.model, self.store, settings)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.backends import PoolConfig
 from engine.config import EngineConfig
 from engine.cost import DEFAULT_WEIGHTS, CostWeights
 
@@ -31,6 +32,9 @@ class Settings:
     log_format: str = "text"  # text, or json: one object a line with trace ids, and a line per request
     metrics_public: bool = False  # serve GET /metrics without the admin token
     metrics_max_tenants: int = 100  # tenants with a metric label of their own; later ones count as "other"
+    backends: PoolConfig | None = (
+        None  # remote backends behind the gateway's fair queue; None: the engine here
+    )
 
     @property
     def state_dir(self) -> Path:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from api.errors import APIError
 from api.metering import Job, Tracker
 from api.openai_format import DONE, json_bytes, sse
+from api.pool import BackendPool
 from api.settlement import Settlement
 from engine.types import RequestOutput
 
@@ -40,7 +41,7 @@ class CompletionResponse:
     """ASGI app for one admitted completion request (``job``), streamed or not."""
 
     def __init__(
-        self, job: Job, engine: AsyncEngine, settlement: Settlement, client_timeout_s: float
+        self, job: Job, engine: AsyncEngine | BackendPool, settlement: Settlement, client_timeout_s: float
     ) -> None:
         self.job = job
         self.tracker = Tracker(job)
@@ -122,6 +123,8 @@ class CompletionResponse:
 
     def _generate(self) -> AsyncIterator[RequestOutput]:
         job = self.job
+        # a pool of backends also takes the prompt as sent, for the backends that take text
+        source = {"source": job.source} if isinstance(self._engine, BackendPool) else {}
         return self._engine.generate(
             job.request_id,
             job.prompt_ids,
@@ -131,6 +134,7 @@ class CompletionResponse:
             tpot_target_s=job.tpot_target_s,
             weight=job.weight,
             start_within_s=job.start_within_s,
+            **source,
         )
 
     async def _bounded(self, delta: RequestOutput) -> RequestOutput | None:

@@ -177,23 +177,87 @@ def serving(
         )
     server = ApiServer(f"http://127.0.0.1:{port}", admin_token, database_url, process, log_path)
     try:
-        deadline = time.monotonic() + READY_DEADLINE_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"weir serve exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{server.base_url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"weir serve was not ready within {READY_DEADLINE_S}s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+        _wait_ready(process, f"{server.base_url}/readyz", log_path, "weir serve")
         yield server
     finally:
-        process.terminate()
+        _stop(process)
+
+
+def _wait_ready(process: subprocess.Popen, url: str, log_path: Path, what: str) -> None:
+    """Wait until ``url`` answers 200; fail the test when ``process`` exits or the deadline passes."""
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"{what} exited with {process.returncode}:\n{log_path.read_text()}")
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} was not ready within {READY_DEADLINE_S}s:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@dataclass
+class EngineServer:
+    """A running ``weir engine``."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/stats", timeout=10).json()
+
+    def idle(self) -> dict | None:
+        """Its stats once nothing runs or waits and every KV block is free, else None."""
+        stats = self.stats()
+        idle = stats["running"] == 0 and stats["waiting"] == 0
+        return stats if idle and stats["kv_blocks_free"] == stats["kv_blocks_total"] else None
+
+
+@contextmanager
+def engines_serving(model_dir: Path, state_dirs: list[Path], *options: str) -> Iterator[list[EngineServer]]:
+    """One ``weir engine --model model_dir *options`` per state directory, each on a free port, started
+    together and yielded once all are ready; stopped on exit."""
+    env = {**os.environ, "WEIR_KERNEL_DIR": str(kernel_dir().resolve())}
+    engines = []
+    try:
+        for state_dir in state_dirs:
+            port = _free_port()
+            command = [
+                sys.executable,
+                "-m",
+                "api.cli",
+                "engine",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+            ]
+            log_path = state_dir / "engine.log"
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(
+                    [*command, "--dtype", "float32", *options],
+                    env={**env, "WEIR_STATE_DIR": str(state_dir)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=Path(__file__).resolve().parents[2],
+                )
+            engines.append(EngineServer(f"http://127.0.0.1:{port}", process, log_path))
+        for engine in engines:
+            _wait_ready(engine.process, f"{engine.url}/health", engine.log_path, "weir engine")
+        yield engines
+    finally:
+        for engine in engines:
+            _stop(engine.process)

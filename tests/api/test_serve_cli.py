@@ -1,4 +1,4 @@
-"""``weir serve`` refuses bad settings with one line on stderr before loading anything."""
+"""``weir serve`` and ``weir engine`` refuse bad settings with one line on stderr before loading anything."""
 
 from __future__ import annotations
 
@@ -10,21 +10,29 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("command", "args", "message"),
     [
-        (["--model", "/nonexistent/model"], "model directory not found"),
-        (["--client-timeout", "0"], "--client-timeout must be positive"),
-        (["--header-timeout", "0"], "--header-timeout must be positive"),
-        (["--policy", "lottery"], "--policy must be one of"),
-        (["--port", "70000"], "--port must be in 1..65535"),
+        ("serve", ["--model", "/nonexistent/model"], "model directory not found"),
+        ("serve", ["--client-timeout", "0"], "--client-timeout must be positive"),
+        ("serve", ["--header-timeout", "0"], "--header-timeout must be positive"),
+        ("serve", ["--policy", "lottery"], "--policy must be one of"),
+        ("serve", ["--port", "70000"], "--port must be in 1..65535"),
+        (
+            "serve",
+            ["--backend", "ftp://10.0.0.5"],
+            "backend URL must start with http:// or https:// or unix:",
+        ),
+        ("serve", ["--backends", "/nonexistent/pool.toml"], "--backends /nonexistent/pool.toml: "),
+        ("engine", ["--port", "70000"], "--port must be in 1..65535"),
+        ("engine", ["--port", "9000", "--max-num-seqs", "0"], "--max-num-seqs must be positive"),
     ],
 )
-def test_bad_settings_are_one_line_errors(args: list[str], message: str) -> None:
+def test_bad_settings_are_one_line_errors(command: str, args: list[str], message: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "serve", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "api.cli", command, *args], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 1
-    assert result.stderr.startswith("weir serve: error: ") and message in result.stderr
+    assert result.stderr.startswith(f"weir {command}: error: ") and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
