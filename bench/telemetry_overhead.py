@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import re
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
             state = Path(tmp) / mode
             state.mkdir()
             progress(f"starting weir serve with telemetry {mode}")
-            options = ("--dtype", args.dtype, "--log-level", "warning", *options)
+            options = ("--dtype", args.dtype, "--log-level", "info", *options)  # on: a JSON line a request
             try:
                 servers[mode] = stack.enter_context(
                     weir_serve(model_dir, free_port(), url, state, *options, env=env)
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
             for mode in order:  # the idle server waits on an event: it takes no CPU from the loaded one
                 progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
                 runs[mode].append(_measure(servers[mode], model, load, args))
+        kernels = {mode: _kernel_choice(server.log_path) for mode, server in servers.items()}
         metric_names = sorted(receiver.metric_names)
         spans = len(receiver.snapshot()) - spans_before
     medians = {mode: _medians(runs[mode]) for mode in MODES}
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
         "ratios": {name: _ratios(runs, read) for name, read in FIGURES.items()},
         "otlp_metrics_received": metric_names,
         "otlp_spans_received": spans,
+        "kernels": kernels,
         "telemetry_cpu_us_per_request": {mode: round(us, 1) for mode, us in work_us.items()},
         "telemetry_share_of_request_cpu_pct": round(
             100 * (work_us["on"] - work_us["off"]) / (1000 * medians["off"]["cpu_ms_per_request"]), 3
@@ -136,6 +139,12 @@ def _measure(server: WeirProcess, model: str, load: list, args: argparse.Namespa
     summary["cpu_ms_per_output_token"] = round(1000 * cpu / max(summary["output_tokens"], 1), 3)
     summary["cpu_ms_per_request"] = round(1000 * cpu / max(summary["completed"], 1), 3)
     return summary
+
+
+def _kernel_choice(log_path: Path) -> str:
+    """What the server's start-up measurement chose (dtype and matrix-product kernels), from its log."""
+    found = re.search(r"chose ([^\"\n]*)", log_path.read_text(errors="replace"))
+    return found.group(1) if found else "unknown"
 
 
 def _medians(summaries: list[dict]) -> dict:
@@ -230,6 +239,9 @@ def render(result: dict) -> str:
             f"{'met' if verdict else 'not met'}); server CPU per output token {_pct(cpu['median'])}",
             f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; "
             f"TTFT p50 {_settled(ttft)}",
+            "both servers chose " + result["kernels"]["off"]
+            if len(set(result["kernels"].values())) == 1
+            else f"the servers chose differently (the modes are not comparable): {result['kernels']}",
             f"received by OTLP: {result['otlp_spans_received']} spans, "
             f"{len(result['otlp_metrics_received'])} metric names",
             f"telemetry's own CPU per request (in process): off {work['off']} us, on {work['on']} us; "
