@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -23,13 +23,18 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
+from opentelemetry.trace import SpanKind, get_current_span
 from prometheus_client import CollectorRegistry, generate_latest
 
 from api.metrics import Metrics
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Link, TraceState
+    from opentelemetry.util.types import Attributes
 
     from api.tenant_store import TenantStore
     from engine.types import EngineStats
@@ -75,6 +80,33 @@ def check_environment(environ: Mapping[str, str]) -> None:
             _check_protocol(environ, signal)
 
 
+class RequestsOnly(Sampler):
+    """Traces start at a request: a span with no parent that is not a server span (the SQL of background
+    work: quota syncs every 50 ms while tenants spend, the ledger writer's batches) is dropped; every other
+    span is left to ``sampler`` (the one ``OTEL_TRACES_SAMPLER`` names)."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def should_sample(  # noqa: PLR0913 - the Sampler interface
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        if kind is not SpanKind.SERVER and not get_current_span(parent_context).get_span_context().is_valid:
+            return SamplingResult(Decision.DROP)
+        sampler = self.sampler
+        return sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"RequestsOnly{{{self.sampler.get_description()}}}"
+
+
 class Telemetry:
     """The tracer and meter providers of one process and what they export to."""
 
@@ -104,6 +136,8 @@ class Telemetry:
         if self.trace_exporters or trace_ids:
             sampler = None if self.trace_exporters else ALWAYS_OFF  # None: OTEL_TRACES_SAMPLER decides
             self.tracer_provider = TracerProvider(resource=resource, sampler=sampler)
+            if self.trace_exporters:
+                self.tracer_provider.sampler = RequestsOnly(self.tracer_provider.sampler)
             for name in self.trace_exporters:
                 self.tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(name, environ)))
         provider = self.tracer_provider or trace.NoOpTracerProvider()

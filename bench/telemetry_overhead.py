@@ -1,22 +1,26 @@
 """Telemetry's cost: the same load against ``weir serve`` with telemetry off and on, in one run.
 
-    weir bench telemetry --rounds 2 --requests 32 --rate 8
+    weir bench telemetry --quick --rounds 12 --requests 16
 
 "Off" is a server with no ``OTEL_*`` variable (nothing exported; ``/metrics`` still served). "On" exports
 traces and metrics by OTLP/HTTP to a receiver in this process (``bench/otlp_receiver.py``, which decodes
-every payload as a collector would) and logs JSON lines. Both servers run side by side on one database;
-the same seeded load goes to one server, then to the other, for ``--rounds`` rounds (one prompt set per
-round, so no round finds the previous round's prompts cached; off first in even rounds, on first in odd
-ones), and each mode's figures are the medians over its rounds. Alternating spreads the machine's slow
-drifts over both modes. The load arrives faster than the server drains it, so output tokens/s is the
-server's capacity. The server process's CPU time per output token (from ``/proc``) is shown too: on a
-machine shared with other work it varies less than wall-clock figures do.
+every payload as a collector would) and logs JSON lines. Both servers run side by side on one database and
+first serve one unmeasured warm-up load each. Then the same seeded load goes to one server, then to the
+other, for ``--rounds`` rounds (one prompt set per round, so no round finds the previous round's prompts
+cached; off first in even rounds, on first in odd ones). Each round gives the on/off ratio of each figure;
+the result is the median ratio over the rounds, with a distribution-free 95 % confidence interval of that
+median, so the run says whether its noise is small enough to tell a 2 % difference. Pairing within a round
+cancels the machine's slow drifts and the rounds' different prompts. The load arrives faster than the
+server drains it, so output tokens/s is the server's capacity. The server process's CPU time per output
+token (from ``/proc``) is shown too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import re
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -30,13 +34,20 @@ from bench.serve import build_load
 from bench.soak import soak_database
 from bench.soak_ledger import create_soak_tenants
 from bench.telemetry_work import cpu_us_per_request
-from bench.weir_process import ServerError, weir_serve
+from bench.weir_process import ServerError, WeirProcess, weir_serve
 from bench.workload import FULL, QUICK, WorkloadSpec
 
 MODES = ("off", "on")
 TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
 WORK_REQUESTS = 2000  # requests of the in-process timing of telemetry's own work
 UNBOUNDED_TTFT_S = 3600.0  # the tenants' TTFT target: nothing is shed, both modes do the same work
+CONFIDENCE = 0.95  # of the interval around each median ratio
+FIGURES = {  # the figures compared, each read from a run's summary
+    "output_tokens_per_s": lambda s: s["output_tokens_per_s"],
+    "ttft_p50_ms": lambda s: s["ttft_ms"]["p50"],
+    "tpot_p50_ms": lambda s: s["tpot_ms"]["p50"],
+    "cpu_ms_per_output_token": lambda s: s["cpu_ms_per_output_token"],
+}
 
 
 def _server_env(mode: str, receiver: Receiver) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -73,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
             state = Path(tmp) / mode
             state.mkdir()
             progress(f"starting weir serve with telemetry {mode}")
-            options = ("--dtype", args.dtype, "--log-level", "warning", *options)
+            options = ("--dtype", args.dtype, "--log-level", "info", *options)  # on: a JSON line a request
             try:
                 servers[mode] = stack.enter_context(
                     weir_serve(model_dir, free_port(), url, state, *options, env=env)
@@ -81,22 +92,20 @@ def run(args: argparse.Namespace) -> dict:
             except ServerError as exc:
                 raise SystemExit(f"weir bench telemetry: error: {exc}") from None
         model = asyncio.run(served_model(servers["off"].v1, keys[0]))
+        warm_up = build_load(tokenizer, spec, args.rate, list(keys), args.rounds)  # a prompt set of its own
+        for mode in MODES:  # first-use costs (code paths, connections, caches) out of the rounds
+            progress(f"warm-up: telemetry {mode}, {len(warm_up)} requests")
+            asyncio.run(run_load(servers[mode].v1, model, warm_up))
         for round_index in range(args.rounds):
             load = build_load(tokenizer, spec, args.rate, list(keys), round_index)
             order = MODES if round_index % 2 == 0 else MODES[::-1]  # neither mode always goes first
             for mode in order:  # the idle server waits on an event: it takes no CPU from the loaded one
                 progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
-                cpu_before = servers[mode].cpu_seconds()
-                records = asyncio.run(run_load(servers[mode].v1, model, load))
-                summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-                cpu = servers[mode].cpu_seconds() - cpu_before
-                summary["cpu_ms_per_output_token"] = round(1000 * cpu / max(summary["output_tokens"], 1), 3)
-                summary["cpu_ms_per_request"] = round(1000 * cpu / max(summary["completed"], 1), 3)
-                runs[mode].append(summary)
+                runs[mode].append(_measure(servers[mode], model, load, args))
+        kernels = {mode: _kernel_choice(server.log_path) for mode, server in servers.items()}
         metric_names = sorted(receiver.metric_names)
         spans = len(receiver.snapshot()) - spans_before
     medians = {mode: _medians(runs[mode]) for mode in MODES}
-    off, on = medians["off"], medians["on"]
     return {
         "benchmark": "telemetry",
         "model_dir": str(model_dir),
@@ -110,66 +119,129 @@ def run(args: argparse.Namespace) -> dict:
         },
         "runs": runs,
         "medians": medians,
-        "difference_pct": {
-            "output_tokens_per_s": _pct(on["output_tokens_per_s"], off["output_tokens_per_s"]),
-            "ttft_p50_ms": _pct(on["ttft_p50_ms"], off["ttft_p50_ms"]),
-            "cpu_ms_per_output_token": _pct(on["cpu_ms_per_output_token"], off["cpu_ms_per_output_token"]),
-        },
+        "ratios": {name: _ratios(runs, read) for name, read in FIGURES.items()},
         "otlp_metrics_received": metric_names,
         "otlp_spans_received": spans,
+        "kernels": kernels,
         "telemetry_cpu_us_per_request": {mode: round(us, 1) for mode, us in work_us.items()},
         "telemetry_share_of_request_cpu_pct": round(
-            100 * (work_us["on"] - work_us["off"]) / (1000 * off["cpu_ms_per_request"]), 3
+            100 * (work_us["on"] - work_us["off"]) / (1000 * medians["off"]["cpu_ms_per_request"]), 3
         ),
     }
 
 
+def _measure(server: WeirProcess, model: str, load: list, args: argparse.Namespace) -> dict:
+    """Send ``load`` to ``server``: the run's summary, with the server's CPU time per token and request."""
+    cpu_before = server.cpu_seconds()
+    records = asyncio.run(run_load(server.v1, model, load))
+    summary = summarize(records, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    cpu = server.cpu_seconds() - cpu_before
+    summary["cpu_ms_per_output_token"] = round(1000 * cpu / max(summary["output_tokens"], 1), 3)
+    summary["cpu_ms_per_request"] = round(1000 * cpu / max(summary["completed"], 1), 3)
+    return summary
+
+
+def _kernel_choice(log_path: Path) -> str:
+    """What the server's start-up measurement chose (dtype and matrix-product kernels), from its log."""
+    found = re.search(r"chose ([^\"\n]*)", log_path.read_text(errors="replace"))
+    return found.group(1) if found else "unknown"
+
+
 def _medians(summaries: list[dict]) -> dict:
+    medians = {name: statistics.median(read(s) for s in summaries) for name, read in FIGURES.items()}
+    medians["cpu_ms_per_request"] = statistics.median(s["cpu_ms_per_request"] for s in summaries)
+    medians["completed"] = min(s["completed"] for s in summaries)
+    return medians
+
+
+def _ratios(runs: dict[str, list[dict]], read) -> dict:
+    """Each round's on/off ratio of a figure, their median and its confidence interval."""
+    ratios = [read(on) / read(off) for off, on in zip(runs["off"], runs["on"], strict=True)]
+    low, high = median_interval(ratios, CONFIDENCE)
     return {
-        "output_tokens_per_s": statistics.median(s["output_tokens_per_s"] for s in summaries),
-        "ttft_p50_ms": statistics.median(s["ttft_ms"]["p50"] for s in summaries),
-        "tpot_p50_ms": statistics.median(s["tpot_ms"]["p50"] for s in summaries),
-        "cpu_ms_per_output_token": statistics.median(s["cpu_ms_per_output_token"] for s in summaries),
-        "cpu_ms_per_request": statistics.median(s["cpu_ms_per_request"] for s in summaries),
-        "completed": min(s["completed"] for s in summaries),
+        "per_round": [round(r, 4) for r in ratios],
+        "median": round(statistics.median(ratios), 4),
+        "interval": [round(low, 4), round(high, 4)],
     }
 
 
-def _pct(on: float, off: float) -> float:
-    """How much ``on`` differs from ``off``, in percent of ``off``."""
-    return round(100 * (on - off) / off, 2)
+def median_interval(values: list[float], confidence: float) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median: the order statistics ``x(k)`` and
+    ``x(n+1-k)`` with the largest ``k`` for which the binomial(n, 1/2) chance of falling outside them stays
+    within ``1 - confidence``; the whole range when there are too few values for that."""
+    ordered, n = sorted(values), len(values)
+    k = 0
+    while k + 1 <= n // 2:
+        outside = 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # beyond x(k+1)..x(n-k)
+        if outside > 1 - confidence:
+            break
+        k += 1
+    if k == 0:
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
+
+def _settled(ratio: dict) -> str:
+    """A figure's interval in percent, and what it says of the target."""
+    low, high = (100 * (r - 1) for r in ratio["interval"])
+    if low > -TARGET_PCT and high < TARGET_PCT:
+        word = "inside the target"
+    elif high <= -TARGET_PCT or low >= TARGET_PCT:
+        word = "beyond the target"
+    else:
+        word = "too wide to settle the target"
+    return f"{low:+.2f} % to {high:+.2f} %, {word}"
+
+
+def _pct(ratio: float) -> str:
+    return f"{100 * (ratio - 1):+.2f} %"
+
+
+SHOWN = (
+    ("output_tokens_per_s", "out tok/s"),
+    ("ttft_p50_ms", "TTFT p50"),
+    ("cpu_ms_per_output_token", "CPU ms/tok"),
+)
 
 
 def render(result: dict) -> str:
-    headers = ["round", "telemetry", "completed", "out tok/s", "TTFT p50", "TPOT p50", "CPU ms/tok"]
+    headers = ["round"]
+    for _, label in SHOWN:
+        headers += [f"{label} off", "on", "on/off"]
+    runs, ratios = result["runs"], result["ratios"]
     rows = []
-    for mode in MODES:
-        for index, s in enumerate(result["runs"][mode]):
-            rows.append(
-                [
-                    index + 1,
-                    mode,
-                    s["completed"],
-                    s["output_tokens_per_s"],
-                    s["ttft_ms"]["p50"],
-                    s["tpot_ms"]["p50"],
-                    s["cpu_ms_per_output_token"],
-                ]
-            )
-    for mode in MODES:
-        m = result["medians"][mode]
-        figures = [m["output_tokens_per_s"], m["ttft_p50_ms"], m["tpot_p50_ms"], m["cpu_ms_per_output_token"]]
-        rows.append(["median", mode, m["completed"], *figures])
-    diff, work = result["difference_pct"], result["telemetry_cpu_us_per_request"]
-    verdict = abs(diff["output_tokens_per_s"]) < TARGET_PCT and abs(diff["ttft_p50_ms"]) < TARGET_PCT
+    for index, (off, on) in enumerate(zip(runs["off"], runs["on"], strict=True)):
+        row: list[object] = [index + 1]
+        for name, _ in SHOWN:
+            row += [FIGURES[name](off), FIGURES[name](on), f"{ratios[name]['per_round'][index]:.3f}"]
+        rows.append(row)
+    median: list[object] = ["median"]
+    interval: list[object] = [f"{CONFIDENCE:.0%} CI"]
+    for name, _ in SHOWN:
+        median += [
+            result["medians"]["off"][name],
+            result["medians"]["on"][name],
+            f"{ratios[name]['median']:.3f}",
+        ]
+        low, high = ratios[name]["interval"]
+        interval += ["", "", f"{low:.3f}-{high:.3f}"]
+    rows += [median, interval]
+    throughput, ttft, cpu = (ratios[name] for name, _ in SHOWN)
+    verdict = all(abs(r["median"] - 1) < TARGET_PCT / 100 for r in (throughput, ttft))
+    work = result["telemetry_cpu_us_per_request"]
     return "\n".join(
         [
-            "latencies in ms; 'on' exports traces and metrics by OTLP/HTTP to a local receiver",
+            "latencies in ms; 'on' exports traces and metrics by OTLP/HTTP to a local receiver; "
+            "on/off: that round's ratio, the median ratio over the rounds, and its confidence interval",
             format_table(headers, rows),
-            f"on vs off: output tokens/s {diff['output_tokens_per_s']:+.2f} %, "
-            f"TTFT p50 {diff['ttft_p50_ms']:+.2f} % (target: both within {TARGET_PCT:g} %: "
-            f"{'met' if verdict else 'not met'}); server CPU per output token "
-            f"{diff['cpu_ms_per_output_token']:+.2f} %",
+            f"on vs off (median of the rounds' ratios): output tokens/s {_pct(throughput['median'])}, "
+            f"TTFT p50 {_pct(ttft['median'])} (target: both within {TARGET_PCT:g} %: "
+            f"{'met' if verdict else 'not met'}); server CPU per output token {_pct(cpu['median'])}",
+            f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; "
+            f"TTFT p50 {_settled(ttft)}",
+            "both servers chose " + result["kernels"]["off"]
+            if len(set(result["kernels"].values())) == 1
+            else f"the servers chose differently (the modes are not comparable): {result['kernels']}",
             f"received by OTLP: {result['otlp_spans_received']} spans, "
             f"{len(result['otlp_metrics_received'])} metric names",
             f"telemetry's own CPU per request (in process): off {work['off']} us, on {work['on']} us; "

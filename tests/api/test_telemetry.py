@@ -315,3 +315,16 @@ def test_metrics_count_the_requests_sent(server: ApiServer, receiver: Receiver) 
         lambda: {"gen_ai.server.time_to_first_token", "weir.engine.kv_blocks.used"} <= receiver.metric_names,
         what="metrics exported by OTLP",
     )
+
+
+def test_every_trace_starts_at_a_request(server: ApiServer, receiver: Receiver) -> None:
+    """Background work's SQL (the quota sync connects every 50 ms while tenants spend, the ledger writer)
+    starts no trace of its own: the only spans without a parent are HTTP server spans."""
+    _, key = _tenant(server)
+    client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+    for _ in range(3):  # each settlement is reported by the next quota sync, outside any request
+        reply = client.completions.create(model=_model(server), prompt="Tick", max_tokens=3)
+        _trace(receiver, _generation_span(receiver, "gen_ai.response.id", reply.id))
+    roots = [s for s in receiver.snapshot() if not s.parent_id]
+    assert roots
+    assert {s.kind for s in roots} == {ProtoSpan.SPAN_KIND_SERVER}, sorted({s.name for s in roots})

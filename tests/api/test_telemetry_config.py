@@ -6,6 +6,9 @@ import json
 import logging
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from api.metrics import OTHER_TENANTS, TenantLabels
 from api.request_log import JsonFormatter
@@ -61,6 +64,24 @@ def test_trace_ids_for_logs_without_export() -> None:
 def test_unsupported_settings_are_refused(environ: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Telemetry(environ=environ)
+
+
+def test_traces_start_only_at_server_spans() -> None:
+    telemetry = Telemetry(environ={"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none"})
+    finished = InMemorySpanExporter()
+    assert telemetry.tracer_provider is not None
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(finished))
+    tracer = telemetry.tracer
+    with tracer.start_as_current_span("background connect", kind=SpanKind.CLIENT) as background:
+        assert not background.is_recording()  # no request around it: no trace
+        with tracer.start_as_current_span("background child") as child:
+            assert not child.is_recording()  # the parent-based sampler follows the dropped root
+    with tracer.start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER) as request:
+        assert request.is_recording()
+        with tracer.start_as_current_span("connect", kind=SpanKind.CLIENT) as sql:
+            assert sql.is_recording()
+    telemetry.shutdown()
+    assert [span.name for span in finished.get_finished_spans()] == ["connect", "POST /v1/completions"]
 
 
 def test_tenants_past_the_cap_are_other() -> None:
