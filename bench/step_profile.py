@@ -8,7 +8,8 @@ pair of the grid's prefill tokens x decodes (the decodes at the first of ``--con
 each), then one batch of decodes at each of ``--contexts``, with ``engine.calibration.calibrate`` on scratch
 KV blocks: the median of ``--repeats`` runs of each step. The model's **load time** is measured in a fresh
 Python process, from its start to an engine ready to step: imports, the weights, the dtype choice, the KV
-pool and the start-up calibration (no HTTP server, no database; `weir serve` adds their start-up).
+pool and the start-up calibration (no HTTP server, no database; `weir serve` adds their start-up). The
+attention kernel is built before (once per machine; a first start on a new machine also compiles it).
 
 The profile is written to the state directory (``profiles/MODEL-DTYPE.json``, where `weir plan` looks for
 it) and to ``--out``.
@@ -81,15 +82,17 @@ def measure(config: EngineConfig, grid: dict, contexts: tuple[int, ...], repeats
     from engine.calibration import calibrate
     from engine.core import EngineCore
 
+    progress("starting the engine here")
+    core = EngineCore.from_config(config, progress=False)  # builds the attention kernel if it is not yet
     progress("measuring the load time in a fresh process")
     load_s = measure_load_s(config)
-    progress(f"load time {load_s:.2f} s; starting the engine here")
-    core = EngineCore.from_config(config, progress=False)
+    progress(f"load time {load_s:.2f} s")
     limits = core.scheduler
     rows = _sizes(grid["prefill_tokens"], min(limits.max_batched_tokens, core.max_model_len))
     columns = _sizes(grid["decodes"], limits.max_num_seqs)
     contexts = _sizes(contexts, core.max_model_len - 1, floor=2)
     context, context_decodes = contexts[0], columns[-1]
+    calibrate(core.runner, [(rows[-1], columns[-1])], context, repeats)  # a warm-up at the largest step
     seconds: list[list[float | None]] = []
     for prefill in rows:
         shapes = [(prefill, d) for d in columns if prefill or d]

@@ -2,7 +2,8 @@
 
 A **profile** (``weir bench profile``) holds the seconds of engine steps measured on a grid of prefill
 tokens x decodes (the decodes at a reference context), the extra seconds per context token a decode attends
-to, the engine's limits and the model's load time. ``StepProfile.step_seconds`` reads a step's time from it:
+to, the engine's limits and the model's load time. ``StepProfile.step_seconds`` reads a step's time from the
+grid, made monotone (a step never takes less than a smaller one: a busy machine's noise is no speed-up):
 bilinear interpolation in (prefill tokens, decodes), linear beyond the grid's edges, plus the context term.
 
 A replica's **capacity** is the highest Poisson arrival rate at which the simulated continuous-batching
@@ -133,6 +134,11 @@ class StepProfile:
         if load_s < 0:
             raise ValueError("the load time must not be negative")
         table = [list(row) for row in seconds]
+        for i in range(len(rows)):  # a step never takes less than a smaller one: noise is not a speed-up
+            for j in range(len(columns)):
+                smaller = [table[a][b] for a, b in ((i - 1, j), (i, j - 1)) if min(a, b) >= 0 and (a or b)]
+                if i or j:
+                    table[i][j] = max([table[i][j], *smaller])
         # The empty step: the fixed cost per step, extended from the smallest steps on both axes.
         along_prefill = _interpolate(rows[1:3], [table[i][0] for i in (1, 2)], 0) if len(rows) > 2 else None
         along_decodes = (
