@@ -6,6 +6,10 @@ decode batch and a prefill chunk, with random weights of the model's shapes. The
 geometric mean of the three step times, so each kind of step counts alike. Some CPUs run bf16 several times
 faster than fp32 at these shapes, others slower; fp16 and bf16 are also tried on CUDA.
 
+Each dtype is timed with every matrix-product kernel that runs it here (``dense.KERNELS``); a dtype's score
+takes the fastest kernel at each row count, and the chosen dtype's :class:`~engine.models.dense.KernelPlan`
+runs each row count with the kernel measured fastest nearest to it.
+
 Some CPU bf16 kernels are far slower for a handful of rows than for a few more, so the choice also measures
 whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``.
 """
@@ -19,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
+from engine.models.dense import Dense, KernelPlan, available_kernels
 
 log = logging.getLogger("weir.engine")
 
@@ -33,13 +37,15 @@ CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "f
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """The chosen dtype, the fewest rows its dense layers should run (padding smaller batches), and the
-    measured step times in seconds per candidate (one per entry of ``ROWS``; for a single named dtype, at
-    1 and ``PAD_ROWS`` tokens)."""
+    """The chosen dtype, its kernel plan, the fewest rows its dense layers should run (padding smaller
+    batches), and the measured step times in seconds, one per entry of ``ROWS``: per dtype with its fastest
+    kernel at each count (``seconds``), and per kernel of the chosen dtype (``kernel_seconds``)."""
 
     dtype: torch.dtype
     min_rows: int
     seconds: dict[str, tuple[float, ...]]
+    plan: KernelPlan = KernelPlan()
+    kernel_seconds: dict[str, tuple[float, ...]] | None = None
 
 
 def _timed(run: Callable[[], None]) -> float:
@@ -51,32 +57,43 @@ def _timed(run: Callable[[], None]) -> float:
     return best
 
 
-def _step_seconds(config: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int) -> float:
-    """Dense-layer seconds of one step of ``rows`` tokens (logits for at most ``PAD_ROWS`` of them)."""
+def _step_seconds(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, kernel: str, rows: tuple[int, ...]
+) -> tuple[float, ...]:
+    """Dense-layer seconds of one step of each of ``rows`` tokens (logits for at most ``PAD_ROWS`` of
+    them), every product run by ``kernel``."""
     hidden, heads = config.hidden_size, config.num_heads
     qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
     shapes = ((qkv, hidden), (hidden, heads * config.head_dim), (2 * config.intermediate_size, hidden))
-    weights = [torch.randn(out, inp, dtype=dtype, device=device) for out, inp in shapes]
-    down = torch.randn(hidden, config.intermediate_size, dtype=dtype, device=device)
-    head = torch.randn(config.vocab_size, hidden, dtype=dtype, device=device)
-    x = torch.randn(rows, hidden, dtype=dtype, device=device)
-    wide = torch.randn(rows, config.intermediate_size, dtype=dtype, device=device)
-    logits_rows = x[: min(rows, PAD_ROWS)]
+    plan = KernelPlan(((1, kernel),))
 
-    def layer() -> None:
-        for weight in weights:
-            F.linear(x, weight)
-        F.linear(wide, down)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def dense(out: int, inp: int) -> Dense:
+        return Dense(torch.randn(out, inp, dtype=dtype, device=device), None, plan)
 
-    def logits() -> None:
-        F.linear(logits_rows, head)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    weights = [dense(out, inp) for out, inp in shapes]
+    down, head = dense(hidden, config.intermediate_size), dense(config.vocab_size, hidden)
+
+    def seconds(count: int) -> float:
+        x = torch.randn(count, hidden, dtype=dtype, device=device)
+        wide = torch.randn(count, config.intermediate_size, dtype=dtype, device=device)
+        logits_rows = x[: min(count, PAD_ROWS)]
+
+        def layer() -> None:
+            for weight in weights:
+                weight(x)
+            down(wide)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        def logits() -> None:
+            head(logits_rows)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return config.num_layers * _timed(layer) + _timed(logits)
 
     with torch.inference_mode():
-        return config.num_layers * _timed(layer) + _timed(logits)
+        return tuple(seconds(count) for count in rows)
 
 
 def _supported(name: str, device: torch.device) -> bool:
@@ -85,24 +102,38 @@ def _supported(name: str, device: torch.device) -> bool:
     return True
 
 
+def _ms(times: tuple[float, ...]) -> str:
+    return "/".join(f"{t * 1e3:.1f}" for t in times) + " ms"
+
+
 def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ...] = ()) -> DtypeChoice:
-    """Time each dtype of ``names`` (default: this device's candidates) and take the fastest; logs the
-    figures. With one name, only whether to pad small batches is measured."""
+    """Time each dtype of ``names`` (default: this device's candidates) with each kernel that runs it, and
+    take the fastest dtype and, per row count, kernel; logs the figures."""
     candidates = names or CANDIDATES.get(device.type, ("float32",))
-    rows = ROWS if len(candidates) > 1 else (1, PAD_ROWS)  # one dtype: only the padding is in question
-    seconds: dict[str, tuple[float, ...]] = {}
+    by_kernel: dict[str, dict[str, tuple[float, ...]]] = {}
     for name in candidates:
         if _supported(name, device):
-            seconds[name] = tuple(_step_seconds(config, device, getattr(torch, name), r) for r in rows)
+            dtype = getattr(torch, name)
+            by_kernel[name] = {
+                kernel: _step_seconds(config, device, dtype, kernel, ROWS)
+                for kernel in available_kernels(device, dtype)
+            }
+    seconds = {
+        name: tuple(min(times[i] for times in kernels.values()) for i in range(len(ROWS)))
+        for name, kernels in by_kernel.items()
+    }
     best = min(seconds, key=lambda name: math.prod(seconds[name]))
-    dtype = getattr(torch, best)
-    padded = seconds[best][rows.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step
-    min_rows = PAD_ROWS if padded < seconds[best][rows.index(1)] else 1
+    kernels = by_kernel[best]
+    fastest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
+    plan = KernelPlan.from_measured(ROWS, fastest)
+    padded = seconds[best][ROWS.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step
+    min_rows = PAD_ROWS if padded < seconds[best][ROWS.index(1)] else 1
     log.info(
-        "dtype (step of %s tokens): %s; chose %s%s",
-        "/".join(map(str, rows)),
-        ", ".join(f"{n} {'/'.join(f'{s * 1e3:.1f}' for s in t)} ms" for n, t in seconds.items()),
+        "dtype (step of %s tokens): %s; chose %s, products by %s%s",
+        "/".join(map(str, ROWS)),
+        ", ".join(f"{n}/{k} {_ms(t)}" for n, ks in by_kernel.items() for k, t in ks.items()),
         best,
+        plan.describe(),
         f" (batches under {PAD_ROWS} rows padded: {padded * 1e3:.1f} ms a step)" if min_rows > 1 else "",
     )
-    return DtypeChoice(dtype, min_rows, seconds)
+    return DtypeChoice(getattr(torch, best), min_rows, seconds, plan, kernels)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,10 +11,34 @@ import torch.nn.functional as F
 from engine.batch import KVCacheTensors, StepBatch
 from engine.models.attention import AttentionPlan, GatherBuffers, paged_attention
 from engine.models.config import ModelConfig
+from engine.models.dense import Dense, KernelPlan
 from engine.models.dtype_choice import choose_dtype
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
 from engine.models.memory import retain_freed_memory
 from engine.models.rope import Rotary, apply_rotary
+
+
+@dataclass
+class Layer:
+    """One decoder layer as it runs: its norms, and its projections in the forms their kernels use."""
+
+    input_norm: torch.Tensor
+    qkv: Dense
+    out: Dense
+    post_norm: torch.Tensor
+    gate_up: Dense
+    down: Dense
+
+    @classmethod
+    def of(cls, weights: LayerWeights, plan: KernelPlan) -> Layer:
+        return cls(
+            input_norm=weights.input_norm,
+            qkv=Dense(weights.qkv, weights.qkv_bias, plan),
+            out=Dense(weights.out, weights.out_bias, plan),
+            post_norm=weights.post_norm,
+            gate_up=Dense(weights.gate_up, weights.gate_up_bias, plan),
+            down=Dense(weights.down, weights.down_bias, plan),
+        )
 
 
 class PagedLlama:
@@ -27,9 +52,13 @@ class PagedLlama:
         dtype: torch.dtype,
         min_rows: int = 1,
         row_multiple: int = 1,
+        plan: KernelPlan | None = None,
     ) -> None:
         self.config = config
-        self.weights = weights
+        self.plan = plan or KernelPlan()
+        self.embed, self.final_norm = weights.embed, weights.final_norm
+        self.layers = [Layer.of(layer, self.plan) for layer in weights.layers]
+        self.lm_head = Dense(weights.lm_head, None, self.plan)
         self.device = device
         self.dtype = dtype
         self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
@@ -73,21 +102,21 @@ class PagedLlama:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size}) for this model")
         slots = batch.slot_mapping.to(self.device)
         cos, sin = self.rotary.lookup(batch.positions.to(self.device))
-        hidden = F.embedding(input_ids, self.weights.embed)
-        for index, layer in enumerate(self.weights.layers):
+        hidden = F.embedding(input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
             hidden = self._layer(
                 hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
             )
         selected = hidden.index_select(0, batch.logits_indices.to(self.device))
-        normed = rms_norm(selected, self.weights.final_norm, cfg.rms_norm_eps)
-        return self._linear(normed, self.weights.lm_head).float()
+        normed = rms_norm(selected, self.final_norm, cfg.rms_norm_eps)
+        return self._linear(normed, self.lm_head).float()
 
     __call__ = forward
 
     def _layer(
         self,
         hidden: torch.Tensor,
-        layer: LayerWeights,
+        layer: Layer,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_size: int,
@@ -100,7 +129,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv)
         rotated = apply_rotary(
             qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
         )
@@ -109,20 +138,18 @@ class PagedLlama:
         key_cache.index_copy_(0, slots, k)
         value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
-        hidden.add_(self._linear(attn, layer.out, layer.out_bias))
+        hidden.add_(self._linear(attn, layer.out))
         x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias))
+        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+        return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down))
 
-    def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, dense: Dense) -> torch.Tensor:
         rows = x.shape[0]
         target = max(self.min_rows, -(-rows // self.row_multiple) * self.row_multiple)
         if rows == target or rows == 0:
-            return F.linear(x, weight, bias)
+            return dense(x)
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, target - rows))
-        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+        return dense(padded)[:rows].reshape(*x.shape[:-1], -1)
 
 
 ROW_MULTIPLE_16BIT = 16
@@ -151,4 +178,4 @@ def load_model(
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
     row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
-    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple)
+    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, choice.plan)

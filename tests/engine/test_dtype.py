@@ -10,6 +10,7 @@ import torch
 
 from engine.models import load_model
 from engine.models.config import ModelConfig
+from engine.models.dense import KernelPlan
 from engine.models.dtype_choice import PAD_ROWS, ROWS, choose_dtype
 from engine.tokenizer import Tokenizer
 from tests.engine.engine_helpers import make_core, random_prompts
@@ -26,6 +27,10 @@ def test_auto_takes_the_candidate_with_the_fastest_measured_steps(tiny_model_dir
     assert all(len(times) == len(ROWS) and min(times) > 0 for times in choice.seconds.values())
     fastest = min(choice.seconds, key=lambda name: math.prod(choice.seconds[name]))
     assert choice.dtype == getattr(torch, fastest) and choice.min_rows in (1, PAD_ROWS)
+    kernels = choice.kernel_seconds
+    assert kernels and all(len(times) == len(ROWS) for times in kernels.values())
+    quickest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
+    assert choice.plan == KernelPlan.from_measured(ROWS, quickest)
     only = choose_dtype(ModelConfig.from_dir(tiny_model_dir), torch.device("cpu"), ("float32",))
     assert only.dtype == torch.float32 and set(only.seconds) == {"float32"}
 

@@ -1,0 +1,107 @@
+"""The dense layers' matrix products, ``y = x @ W.T + b``, and which implementation runs each of them.
+
+Two implementations of the same product, differing only in summation order:
+
+- ``aten``: torch's ``F.linear`` on the weight as loaded (on CPU in fp32, MKL's GEMM).
+- ``onednn``: the weight reordered once, at load, into oneDNN's blocked layout and multiplied by oneDNN's
+  linear primitive (``torch.ops.mkldnn._linear_pointwise``, what ``torch.compile`` uses for packed CPU
+  linears). MKL's GEMM runs a few rows at a fraction of the memory bandwidth on some CPUs (on a 2-core AMD
+  EPYC: 8 rows of the 49152x576 logits projection at 3.5 GB/s), where oneDNN's runs 2-3x faster.
+
+Neither wins at every row count on every machine, so a :class:`KernelPlan`, chosen by measurement at load
+(``dtype_choice``), names the kernel per range of row counts, and each :class:`Dense` keeps the weight in
+just the forms its plan uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Prepare = Callable[[torch.Tensor], torch.Tensor]
+Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _onednn_prepare(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _onednn_apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _aten_prepare(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+KERNELS: dict[str, tuple[Prepare, Apply]] = {
+    "aten": (_aten_prepare, F.linear),
+    "onednn": (_onednn_prepare, _onednn_apply),
+}
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels that run ``dtype`` on ``device`` here (oneDNN's only on a CPU whose build has it)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return ("aten",)
+    try:
+        probe = torch.ones(4, 8, dtype=dtype)
+        ok = bool(
+            torch.allclose(
+                _onednn_apply(probe, _onednn_prepare(probe), None).float(), probe.float() @ probe.float().T
+            )
+        )
+    except RuntimeError:
+        ok = False
+    return ("aten", "onednn") if ok else ("aten",)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernel for each range of row counts: ``(up_to_rows, kernel)`` in ascending order; the last entry
+    also covers every larger count."""
+
+    steps: tuple[tuple[int, str], ...] = ((1, "aten"),)
+
+    @classmethod
+    def from_measured(cls, rows: tuple[int, ...], fastest: tuple[str, ...]) -> KernelPlan:
+        """A plan from the fastest kernel measured at each of ``rows`` (ascending): a measured count's
+        kernel runs the counts up to the geometric midpoint with the next one."""
+        limits = [int((a * b) ** 0.5) for a, b in zip(rows, rows[1:], strict=False)] + [rows[-1]]
+        merged: list[tuple[int, str]] = []
+        for limit, name in zip(limits, fastest, strict=True):
+            if merged and merged[-1][1] == name:
+                merged[-1] = (limit, name)
+            else:
+                merged.append((limit, name))
+        return cls(tuple(merged))
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name for _, name in self.steps))
+
+    def kernel_for(self, rows: int) -> str:
+        return next((name for limit, name in self.steps if rows <= limit), self.steps[-1][1])
+
+    def describe(self) -> str:
+        if len(self.steps) == 1:
+            return self.steps[0][1]
+        bounds = [f"{name} up to {limit} rows" for limit, name in self.steps[:-1]]
+        return ", ".join([*bounds, f"{self.steps[-1][1]} above"])
+
+
+class Dense:
+    """One weight matrix and its bias, held in the forms its plan uses."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan) -> None:
+        self.plan = plan
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.forms = {name: KERNELS[name][0](weight) for name in plan.kernels}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        name = self.plan.kernel_for(x.shape[0])
+        return KERNELS[name][1](x, self.forms[name], self.bias)
