@@ -380,6 +380,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--tpot-ms", type=float, default=500, metavar="T", help="TPOT p99 target (default 500)"
     )
     parser.add_argument(
+        "--compare-prompt-tokens",
+        nargs="+",
+        default=[],
+        metavar="DIST",
+        help="also plan each of these prompt lengths with the same outputs and rate, in a table",
+    )
+    parser.add_argument(
         "--failures", type=int, default=1, metavar="F", help="replica failures to survive (default 1: N+1)"
     )
     parser.add_argument(

@@ -99,6 +99,22 @@ def render(result: dict) -> str:
         f"{figures['excess_without_spares_rps']} req/s are over capacity: about "
         f"{figures['excess_requests']} requests refused or late per failure",
     ]
+    if result.get("by_prompt"):
+        lines += [
+            f"by prompt length (outputs {result['output_tokens']} tokens, {figures['rate_rps']:g} req/s)",
+            format_table(
+                ["prompt tokens", "replica req/s", "TTFT p99 ms", "TPOT p99 ms", "replicas", f"N+{failures}"],
+                [
+                    [row["prompt_tokens"]]
+                    + [
+                        row.get(k)
+                        for k in ("replica_capacity_rps", "replica_ttft_p99_ms", "replica_tpot_p99_ms")
+                    ]
+                    + [row.get("replicas"), row.get("replicas_with_spares")]
+                    for row in result["by_prompt"]
+                ],
+            ),
+        ]
     validation = result.get("validation")
     if validation:
         lines += [
@@ -137,8 +153,22 @@ def check_arguments(args: argparse.Namespace) -> tuple[Mix, Targets]:
     return mix, Targets(args.ttft_ms / 1000, args.tpot_ms / 1000)
 
 
+def by_prompt(profile: StepProfile, mix: Mix, targets: Targets, args: argparse.Namespace) -> dict:
+    """One row of the comparison by prompt length: the plan's figures, or why no plan meets the targets."""
+    row: dict = {"prompt_tokens": str(mix.prompt)}
+    try:
+        row.update(plan_figures(make_plan(profile, mix, targets, args.rate, args.failures, args.requests)))
+    except ValueError as exc:
+        row["error"] = str(exc)
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     mix, targets = check_arguments(args)
+    try:
+        args.compare_prompt_tokens = [Lengths.parse(text) for text in args.compare_prompt_tokens]
+    except ValueError as exc:
+        raise SystemExit(f"weir plan: error: {exc}") from None
     data, model_dir = load_profile(args)
     profile = parse_profile(data)
     progress("simulating the step schedule to find one replica's capacity")
@@ -155,6 +185,12 @@ def run(args: argparse.Namespace) -> dict:
         "tpot_ms": args.tpot_ms,
         "plan": plan_figures(plan),
     }
+    if args.compare_prompt_tokens:
+        progress("and for each of --compare-prompt-tokens")
+        result["by_prompt"] = [
+            by_prompt(profile, Mix(prompt, mix.output), targets, args)
+            for prompt in args.compare_prompt_tokens
+        ]
     if args.validate:
         from bench.plan_validation import validate
 

@@ -53,9 +53,14 @@ def test_plan_prints_the_replicas_for_the_rate_and_one_more_to_survive_a_failure
     out = tmp_path / "plan.json"
     mix = ["--prompt-tokens", "16-48", "--output-tokens", "4,8", "--ttft-ms", "500", "--tpot-ms", "100"]
     options = ["--profile", str(profile), "--rate", "50", "--failures", "1", "--requests", "100"]
-    assert main(["plan", *options, *mix, "--out", str(out)]) == 0
+    compare = ["--compare-prompt-tokens", "16", "64", "100000"]
+    assert main(["plan", *options, *mix, *compare, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    plan = json.loads(out.read_text())["plan"]
+    result = json.loads(out.read_text())
+    plan = result["plan"]
+    short, longer, impossible = result["by_prompt"]
+    assert short["replica_capacity_rps"] >= longer["replica_capacity_rps"] > 0
+    assert "no number of replicas" in impossible["error"]
     assert plan["replica_capacity_rps"] > 0
     assert plan["replica_ttft_p99_ms"] <= 500 and plan["replica_tpot_p99_ms"] <= 100
     assert plan["replicas"] * plan["replica_capacity_rps"] >= 50 * 0.99  # the capacity is rounded in the JSON
