@@ -76,14 +76,17 @@ def render(result: dict) -> str:
     rows = [
         ["one replica", 1, capacity, None, None],
         ["no failure", n, round(n * capacity, 3), round(100 * figures["utilization"], 1), 0],
-        [
-            f"N+{failures} (survives {failures} failure{'s' * (failures != 1)})",
-            spares,
-            round(spares * capacity, 3),
-            round(100 * figures["utilization_with_spares"], 1),
-            figures["spare_rps"],
-        ],
     ]
+    if failures:
+        rows.append(
+            [
+                f"N+{failures} (survives {failures} failure{'s' * (failures != 1)})",
+                spares,
+                round(spares * capacity, 3),
+                round(100 * figures["utilization_with_spares"], 1),
+                figures["spare_rps"],
+            ]
+        )
     lines = [
         f"profile: {p['model']} ({p['dtype']}, {p['device']}, {p['threads']} threads), measured "
         f"{p['measured_at']} at load average {p['load_average'][0]}; model load {p['load_s']:.1f} s",
@@ -94,11 +97,14 @@ def render(result: dict) -> str:
         f"{figures['replica_ttft_p99_ms']} ms, TPOT p99 {figures['replica_tpot_p99_ms']} ms at that rate; "
         f"KV held at most {figures['replica_peak_kv_tokens']} tokens)",
         format_table(["fleet", "replicas", "capacity req/s", "utilization %", "warm spare req/s"], rows),
-        f"without the spare{'s' * (failures != 1)}: {failures} failed leave{'s' * (failures == 1)} "
-        f"{max(0, n - failures)} replica(s); for the {figures['load_s']:.1f} s a replacement takes to load, "
-        f"{figures['excess_without_spares_rps']} req/s are over capacity: about "
-        f"{figures['excess_requests']} requests refused or late per failure",
     ]
+    if failures:
+        lines.append(
+            f"without spares, {failures} failed leave{'s' * (failures == 1)} {max(0, n - failures)} of {n} "
+            f"replicas; for the {figures['load_s']:.1f} s a replacement takes to load, "
+            f"{figures['excess_without_spares_rps']} req/s are over capacity: about "
+            f"{figures['excess_requests']} requests refused or served late"
+        )
     if result.get("by_prompt"):
         lines += [
             f"by prompt length (outputs {result['output_tokens']} tokens, {figures['rate_rps']:g} req/s)",
