@@ -113,13 +113,14 @@ class StepProfile:
         decodes: Sequence[int],
         seconds: Sequence[Sequence[float | None]],
         context: int,
-        contexts: Sequence[int],
-        context_seconds: Sequence[float],
+        sweep: tuple[int, Sequence[int], Sequence[float]],
         limits: EngineLimits,
         load_s: float,
     ) -> StepProfile:
-        """A profile from a measured grid (the empty step, ``(0, 0)``, may be None) and the times of one
-        batch of decodes at several contexts; ValueError when the grid is incomplete."""
+        """A profile from a measured grid (the empty step, ``(0, 0)``, may be None) and ``sweep``: a batch
+        of decodes, the contexts each of them attended to, and the seconds of each such step; ValueError
+        when the grid is incomplete."""
+        sweep_decodes, contexts, context_seconds = sweep
         rows, columns = tuple(prefill_tokens), tuple(decodes)
         if rows[:1] != (0,) or columns[:1] != (0,) or len(rows) < 2 or len(columns) < 2:
             raise ValueError("the grid needs prefill tokens and decodes that start at 0 and go beyond it")
@@ -129,8 +130,8 @@ class StepProfile:
             raise ValueError("the grid's seconds must have a row per prefill size and a column per decodes")
         if any(s is None or s <= 0 for i, row in enumerate(seconds) for j, s in enumerate(row) if i or j):
             raise ValueError("every step of the grid but the empty one needs a measured time")
-        if len(contexts) != len(context_seconds) or not contexts:
-            raise ValueError("the context sweep needs a time per context")
+        if len(contexts) != len(context_seconds) or not contexts or sweep_decodes < 1:
+            raise ValueError("the context sweep needs decodes and a time per context")
         if load_s < 0:
             raise ValueError("the load time must not be negative")
         table = [list(row) for row in seconds]
@@ -152,7 +153,7 @@ class StepProfile:
             columns,
             tuple(tuple(float(s) for s in row) for row in table),
             context,
-            _slope([float(c) for c in contexts], [float(s) for s in context_seconds]),
+            _slope([float(c) for c in contexts], [float(s) for s in context_seconds]) / sweep_decodes,
             limits,
             load_s,
         )

@@ -27,7 +27,7 @@ def linear_profile(
     rows, columns = (0, 64, 256), (0, 1, 8)
     seconds = [[overhead + per_token * p + per_decode * d for d in columns] for p in rows]
     seconds[0][0] = None
-    return StepProfile.from_grid(rows, columns, seconds, 64, [64, 256], [0.02, 0.02], LIMITS, load_s)
+    return StepProfile.from_grid(rows, columns, seconds, 64, (8, [64, 256], [0.02, 0.02]), LIMITS, load_s)
 
 
 def test_step_times_are_interpolated_within_the_grid_and_extended_beyond_it():
@@ -41,18 +41,23 @@ def test_step_times_are_interpolated_within_the_grid_and_extended_beyond_it():
 
 def test_the_context_term_adds_the_sweeps_slope_per_token_beyond_the_grids_context():
     rows, columns = (0, 64), (0, 1)
-    profile = StepProfile.from_grid(
-        rows, columns, [[None, 0.01], [0.05, 0.06]], 100, [100, 300], [0.01, 0.03], LIMITS, 1.0
-    )
-    assert profile.per_context_token == pytest.approx(1e-4)
-    assert profile.step_seconds(0, 2, context_tokens=400) == pytest.approx(profile.step_seconds(0, 2) + 0.02)
+    # 4 decodes at 100 then 300 tokens of context each: 800 more context tokens took 0.02 s more
+    sweep = (4, [100, 300], [0.01, 0.03])
+    profile = StepProfile.from_grid(rows, columns, [[None, 0.01], [0.05, 0.06]], 100, sweep, LIMITS, 1.0)
+    assert profile.per_context_token == pytest.approx(0.02 / 800)
+    # two decodes at 400 tokens each: 600 context tokens beyond the grid's 100 each
+    assert profile.step_seconds(0, 2, context_tokens=800) == pytest.approx(profile.step_seconds(0, 2) + 0.015)
 
 
 def test_an_incomplete_grid_is_refused():
     with pytest.raises(ValueError, match="measured time"):
-        StepProfile.from_grid((0, 64), (0, 1), [[None, 0.01], [None, 0.06]], 64, [64], [0.01], LIMITS, 1.0)
+        StepProfile.from_grid(
+            (0, 64), (0, 1), [[None, 0.01], [None, 0.06]], 64, (1, [64], [0.01]), LIMITS, 1.0
+        )
     with pytest.raises(ValueError, match="start at 0"):
-        StepProfile.from_grid((16, 64), (0, 1), [[0.1, 0.01], [0.1, 0.06]], 64, [64], [0.01], LIMITS, 1.0)
+        StepProfile.from_grid(
+            (16, 64), (0, 1), [[0.1, 0.01], [0.1, 0.06]], 64, (1, [64], [0.01]), LIMITS, 1.0
+        )
 
 
 def test_lengths_parse_each_form_and_refuse_the_rest():
