@@ -56,6 +56,7 @@ def plan_figures(plan: Plan) -> dict:
         "replica_ttft_p99_ms": round(plan.replica.ttft_p * 1e3, 1),
         "replica_tpot_p99_ms": round(plan.replica.tpot_p * 1e3, 1),
         "replica_peak_kv_tokens": plan.replica.peak_kv_tokens,
+        "kv_tokens": plan.kv_tokens,
         "replicas": n,
         "utilization": round(plan.utilization(n), 4),
         "failures": plan.failures,
@@ -95,9 +96,13 @@ def render(result: dict) -> str:
         f"TPOT p99 <= {result['tpot_ms']:g} ms",
         f"one replica: {capacity} req/s within the targets (simulated TTFT p99 "
         f"{figures['replica_ttft_p99_ms']} ms, TPOT p99 {figures['replica_tpot_p99_ms']} ms at that rate; "
-        f"KV held at most {figures['replica_peak_kv_tokens']} tokens)",
+        f"KV held at most {figures['replica_peak_kv_tokens']} tokens of the pool's {figures['kv_tokens']})",
         format_table(["fleet", "replicas", "capacity req/s", "utilization %", "warm spare req/s"], rows),
     ]
+    if figures["replica_peak_kv_tokens"] > figures["kv_tokens"]:
+        lines.append(
+            "the schedule holds more KV than the pool: preemption would slow it, the plan is optimistic"
+        )
     if failures:
         lines.append(
             f"without spares, {failures} failed leave{'s' * (failures == 1)} {max(0, n - failures)} of {n} "

@@ -98,13 +98,11 @@ class StepProfile:
                 int(engine["prefill_chunk_size"]),
                 int(engine["kv_tokens"]),
             )
-            contexts, context_seconds = ctx["contexts"], ctx["seconds"]
+            sweep = (int(ctx["decodes"]), ctx["contexts"], ctx["seconds"])
             load_s = float(data["load_s"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the step profile lacks {exc}") from None
-        return cls.from_grid(
-            rows, columns, measured, int(grid["context"]), contexts, context_seconds, limits, load_s
-        )
+        return cls.from_grid(rows, columns, measured, int(grid["context"]), sweep, limits, load_s)
 
     @classmethod
     def from_grid(
@@ -403,6 +401,8 @@ class Plan:
     failures: int
     load_s: float
 
+    kv_tokens: int  # the KV pool of a replica, to compare with the simulation's peak
+
     @property
     def capacity(self) -> float:
         return self.replica.rate
@@ -454,4 +454,4 @@ def make_plan(
             f"a lone request misses the targets on this profile (TTFT p99 {replica.ttft_p * 1e3:.0f} ms, "
             f"TPOT p99 {replica.tpot_p * 1e3:.0f} ms): no number of replicas meets them"
         )
-    return Plan(rate, replica, failures, profile.load_s)
+    return Plan(rate, replica, failures, profile.load_s, profile.limits.kv_tokens)

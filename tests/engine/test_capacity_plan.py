@@ -107,13 +107,13 @@ def test_capacity_is_zero_when_a_lone_request_misses_its_target():
 
 def test_n_plus_one_carries_the_rate_with_one_replica_down_during_the_replacements_load():
     replica = Simulation(rate=1.0, ttft_p=0.5, tpot_p=0.1, peak_kv_tokens=0)
-    plan = Plan(rate=2.5, replica=replica, failures=1, load_s=30.0)
+    plan = Plan(rate=2.5, replica=replica, failures=1, load_s=30.0, kv_tokens=1000)
     assert plan.replicas == 3 and plan.replicas_with_spares == 4
     assert plan.utilization(3) == pytest.approx(2.5 / 3) and plan.utilization(4) == pytest.approx(2.5 / 4)
     assert plan.spare_rps == 1.0
     assert plan.excess_without_spares_rps == pytest.approx(0.5)  # 2 survivors carry 2 of the 2.5 req/s
     assert plan.excess_requests == pytest.approx(15.0)  # for the 30 s the replacement loads
-    exact = Plan(rate=3.0, replica=replica, failures=2, load_s=10.0)
+    exact = Plan(rate=3.0, replica=replica, failures=2, load_s=10.0, kv_tokens=1000)
     assert exact.replicas == 3 and exact.replicas_with_spares == 5
     assert exact.excess_without_spares_rps == pytest.approx(2.0)
 
