@@ -252,6 +252,7 @@ class Simulation:
     ttft_p: float  # seconds, at the targets' quantile
     tpot_p: float
     peak_kv_tokens: int
+    served_rps: float = 0.0  # requests finished per second, from the first arrival to the last finish
 
     def meets(self, targets: Targets) -> bool:
         return self.ttft_p <= targets.ttft_s and self.tpot_p <= targets.tpot_s
@@ -358,24 +359,30 @@ def simulate(
     ttfts = [r.first - r.arrival for r in counted]
     tpots = [(r.last - r.first) / (r.produced - 1) for r in counted if r.produced > 1]
     q = targets.quantile
-    return Simulation(rate, _quantile(ttfts, q), _quantile(tpots, q), peak_kv)
+    served = requests / max(now - pending[0].arrival, 1e-9)
+    return Simulation(rate, _quantile(ttfts, q), _quantile(tpots, q), peak_kv, served)
 
 
 def capacity(
     profile: StepProfile, mix: Mix, targets: Targets, requests: int = SIM_REQUESTS, seed: int = 0
 ) -> Simulation:
     """The highest rate whose simulation meets the targets (found by doubling, then bisection), with its
-    figures; a rate of 0 when not even a lone request meets them."""
+    figures; a rate of 0 when not even a lone request meets them. It is never above the rate a replica
+    serves when every request arrives at once: beyond it the queue grows without bound, however loose the
+    targets (which a finite simulation would not show)."""
     alone = simulate(profile, mix, 1e-6, targets, requests=min(requests, 50), seed=seed)
     if not alone.meets(targets):
         return Simulation(0.0, alone.ttft_p, alone.tpot_p, alone.peak_kv_tokens)
+    ceiling = simulate(profile, mix, 1e12, targets, requests, seed).served_rps
     service = profile.step_seconds(int(mix.prompt.mean), 0) + mix.output.mean * profile.step_seconds(0, 1)
-    low, high = None, 1.0 / service
+    low, high = None, min(1.0 / service, ceiling)
     while True:
         trial = simulate(profile, mix, high, targets, requests, seed)
         if not trial.meets(targets):
             break
-        low, high = trial, high * 2
+        if high >= ceiling:
+            return trial
+        low, high = trial, min(high * 2, ceiling)
     if low is None:  # the first guess failed: halve until one meets
         while True:
             high /= 2

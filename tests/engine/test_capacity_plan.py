@@ -123,3 +123,10 @@ def test_more_traffic_never_needs_fewer_replicas():
     mix, targets = Mix(Lengths(64, 256), Lengths(8, 32)), Targets(1.0, 0.2)
     counts = [make_plan(profile, mix, targets, rate, requests=200).replicas for rate in (1, 10, 40, 100)]
     assert counts == sorted(counts) and counts[0] < counts[-1]
+
+
+def test_capacity_never_exceeds_what_a_replica_serves_with_every_request_arriving_at_once():
+    profile = linear_profile()
+    mix, loose = Mix(Lengths(64, 256), Lengths(8, 32)), Targets(1e6, 1e6)
+    flat_out = simulate(profile, mix, 1e12, loose, requests=100).served_rps
+    assert 0 < capacity(profile, mix, loose, requests=100).rate == flat_out
