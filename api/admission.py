@@ -1,5 +1,7 @@
 """From a validated body to an admitted ``Job``: tokenize, bound the output, reserve, and shed what the
-engine cannot serve within the tenant's TTFT target (docs/architecture.md, "A request's path", steps 4-6)."""
+engine cannot serve within the tenant's TTFT target (docs/architecture.md, "A request's path", steps 4-6).
+The shed checks also run before tokenizing, on a lower bound of the prompt, so that most refusals under
+overload cost neither tokenization nor a reservation."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ INLINE_TOKENIZE_CHARS = 8192  # larger inputs are tokenized on a worker thread, 
 # Characters per token of context beyond which a prompt is refused before tokenizing: no text averages more
 # (SmolLM2's longest token is 81 bytes of whitespace, ordinary text is about 4 characters a token).
 MAX_CHARS_PER_TOKEN = 64
+MAX_ESTIMATE_CORRECTION = 3.0  # the most the TTFT estimate is scaled up by its measured error
 
 
 async def _prompt_ids(
@@ -70,6 +73,19 @@ async def _prompt_ids(
         log.warning("could not tokenize the %s: %s", param, exc)
         raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from None
     return list(ids), param
+
+
+def _prompt_tokens_at_least(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """A lower bound of the prompt's token count, known without tokenizing: exact for token ids, and for
+    text its length over the most characters a token can average."""
+    if isinstance(body, ChatCompletionRequest):
+        size = sum(len(m["content"]) for m in body.chat_messages())
+    else:
+        prompt = body.prompt_input()
+        if not isinstance(prompt, str):
+            return len(prompt)
+        size = len(prompt)
+    return size // MAX_CHARS_PER_TOKEN
 
 
 def _max_tokens(
@@ -125,6 +141,21 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     )
 
 
+def _estimate_correction(stats: EngineStats) -> float:
+    """What the TTFT estimate is multiplied by before it is held against a target: the engine's recent
+    actual / predicted ratio (median), when the estimate has run short, capped at ``MAX_ESTIMATE_CORRECTION``.
+    An estimate that runs long is left as it is (admission then errs towards running a request)."""
+    ratio = stats.ttft_estimate_ratio_p50
+    return 1.0 if ratio is None else min(MAX_ESTIMATE_CORRECTION, max(1.0, ratio))
+
+
+def _slo_limit(target_s: float, share_ratio: float) -> float:
+    """The predicted TTFT beyond which a request is shed: the tenant's target, divided by how far its recent
+    service exceeds its fair share. A tenant over its share is shed before the engine's queue reaches the
+    target, which leaves the tenants under their share room to be admitted and served within theirs."""
+    return target_s / max(1.0, share_ratio)
+
+
 class Admission:
     """Admits requests to ``engine`` against the tenant store's quotas and the engine's bounds."""
 
@@ -143,6 +174,9 @@ class Admission:
         """Validate, tokenize, reserve and admit one request; raises ``APIError`` for every refusal."""
         body.check_common()
         self._model.check(body.model)
+        # Shed before any work, on a lower bound of the prompt's length (the checks grow with it): a refusal
+        # under overload costs neither tokenization nor a reservation.
+        self._shed(principal, _prompt_tokens_at_least(body))
         prompt_ids, prompt_param = await _prompt_ids(self._engine, body)
         max_tokens = _max_tokens(self._engine.max_model_len, principal, body, len(prompt_ids), prompt_param)
         output = _output_allowance(self._weights, principal, body, len(prompt_ids), max_tokens)
@@ -189,13 +223,16 @@ class Admission:
         ):
             reason = "kv"  # requests served before it already wait for memory its prefill would need too
         else:
-            # Shedding protects the work queued ahead; with none, or with an estimate that rests on one step
-            # size only, the request runs even if it would miss its target alone.
+            # Shedding protects the work in the engine (prefill queued ahead, requests running: their decodes
+            # share every step); on an idle engine, or with an estimate that rests on one step size only, the
+            # request runs even if it would miss its target alone.
             estimate = self._engine.estimate_ttft(prompt_len, tenant, principal.tenant.weight)
-            target = principal.tenant.ttft_target_s
-            if estimate.queued_tokens and estimate.reliable and estimate.seconds > target:
+            predicted = estimate.seconds * _estimate_correction(stats)
+            limit = _slo_limit(principal.tenant.ttft_target_s, estimate.share_ratio)
+            busy = estimate.queued_tokens > 0 or stats.running > 0
+            if busy and estimate.reliable and predicted > limit:
                 reason = "slo"
-                retry_after = max(1.0, estimate.seconds - target)
+                retry_after = max(1.0, predicted - limit)
         if reason is None:
             return
         self._store.record_shed(principal.tenant_id, reason)

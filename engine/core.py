@@ -330,7 +330,8 @@ class EngineCore:
         costs = self._step_time.costs()
         budget = self.scheduler.max_batched_tokens
         seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, budget)
-        return TTFTEstimate(seconds=seconds, queued_tokens=ahead, reliable=costs.reliable)
+        share = self.scheduler.policy.share_ratio(tenant_id, weight)
+        return TTFTEstimate(seconds=seconds, queued_tokens=ahead, reliable=costs.reliable, share_ratio=share)
 
 
 def _quantile(ordered: list[float], q: float) -> float:

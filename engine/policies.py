@@ -8,12 +8,16 @@ without touching the scheduler.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 
 from engine.cost import DEFAULT_WEIGHTS, CostWeights
 from engine.sequence import Sequence
+
+SHARE_HALF_LIFE_S = 20.0  # recent service, for ``share_ratio``, halves every this many seconds
+SHARE_WINDOW_S = 60.0  # a tenant that sent or was served within this long shares the service
 
 
 class Policy:
@@ -37,6 +41,11 @@ class Policy:
         """Prefill tokens that would be served before a new request of ``tenant_id`` (whose own prompt has
         ``prompt_tokens`` and whose share weight is ``weight``) gets its first token."""
         return sum(queued_by_tenant.values())
+
+    def share_ratio(self, tenant_id: str, weight: float = 1.0) -> float:
+        """How far the tenant's recent service exceeds its weighted share of it (1.0: at its share or
+        no notion of shares; 2.0: twice its share). Admission sheds a tenant over its share sooner."""
+        return 1.0
 
     def on_arrival(self, seq: Sequence) -> None:
         """A request joined the waiting queue (not called again after a preemption)."""
@@ -78,13 +87,23 @@ class FairSharePolicy(Policy):
     preemption is the latest request of the running tenant with the largest counter. Counters of idle
     tenants are forgotten beyond ``max_idle_tenants`` (least recently active first); the lift makes that
     safe.
+
+    Because of the lift the counters say nothing about who used the engine lately, so the policy also keeps
+    each tenant's recent service (cost, decaying by half every ``SHARE_HALF_LIFE_S``) for ``share_ratio``.
     """
 
     name = "fair"
 
-    def __init__(self, cost: CostWeights = DEFAULT_WEIGHTS, max_idle_tenants: int = 10_000) -> None:
+    def __init__(
+        self,
+        cost: CostWeights = DEFAULT_WEIGHTS,
+        max_idle_tenants: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cost = cost
         self.max_idle_tenants = max_idle_tenants
+        self.clock = clock
+        self._recent: dict[str, tuple[float, float]] = {}  # tenant -> (decayed cost served, as of when)
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self._active: Counter[str] = Counter()  # requests in the engine per tenant
@@ -121,8 +140,23 @@ class FairSharePolicy(Policy):
                 ahead += min(tokens, max(0, math.ceil(room / self.cost.prefill)))
         return ahead
 
+    def share_ratio(self, tenant_id: str, weight: float = 1.0) -> float:
+        """The tenant's share of the recent service over its weight's share among the tenants that sent
+        or were served within ``SHARE_WINDOW_S`` (itself included). Safe to call from another thread."""
+        now = self.clock()
+        recent = dict(self._recent)  # one atomic copy: the engine thread may be adding to it
+        served = {t: self._decayed(value, at, now) for t, (value, at) in recent.items()}
+        total = sum(served.values())
+        if total <= 0:
+            return 0.0
+        sharing = {t for t, (_, at) in recent.items() if now - at <= SHARE_WINDOW_S} - {tenant_id}
+        weights = dict(self.weights)
+        fair = weight / (weight + sum(weights.get(t, 1.0) for t in sharing))
+        return served.get(tenant_id, 0.0) / total / fair
+
     def on_arrival(self, seq: Sequence) -> None:
         tenant = seq.tenant_id
+        self._serve(tenant, 0.0)
         self.weights[tenant] = seq.weight
         if not self._active[tenant]:
             self.counters[tenant] = self._counter_on_arrival(tenant)
@@ -140,6 +174,7 @@ class FairSharePolicy(Policy):
         tenant = seq.tenant_id
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, seq.weight)
         self._last_served = self.counters[tenant]
+        self._serve(tenant, cost)
 
     def on_finish(self, seq: Sequence) -> None:
         tenant = seq.tenant_id
@@ -152,13 +187,24 @@ class FairSharePolicy(Policy):
             forgotten, _ = self._idle.popitem(last=False)
             self.counters.pop(forgotten, None)
             self.weights.pop(forgotten, None)
+            self._recent.pop(forgotten, None)
+
+    def _serve(self, tenant: str, cost: float) -> None:
+        """Add ``cost`` to the tenant's recent service, and mark it as seen now."""
+        now = self.clock()
+        value, at = self._recent.get(tenant, (0.0, now))
+        self._recent[tenant] = (self._decayed(value, at, now) + cost, now)
+
+    @staticmethod
+    def _decayed(value: float, at: float, now: float) -> float:
+        return value * 0.5 ** (max(0.0, now - at) / SHARE_HALF_LIFE_S)
 
     def _counter_on_arrival(self, tenant: str) -> float:
         """The tenant's counter, or if it has no request in the engine, lifted to the smallest counter of
         the tenants that have (the last served counter when none has)."""
         if self._active[tenant]:
             return self.counters[tenant]
-        others = [self.counters.get(t, 0.0) for t in self._active if t != tenant]
+        others = [self.counters.get(t, 0.0) for t in list(self._active) if t != tenant]  # list: atomic copy
         floor = min(others) if others else self._last_served
         return max(self.counters.get(tenant, 0.0), floor)
 

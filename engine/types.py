@@ -103,3 +103,4 @@ class TTFTEstimate:
     seconds: float
     queued_tokens: int  # prefill tokens that would be computed before this request's own
     reliable: bool  # False while the step-time model has not seen prefill steps of several sizes
+    share_ratio: float = 1.0  # the tenant's recent service over its fair share (the policy's ``share_ratio``)

@@ -1,6 +1,7 @@
 """Fair share through the real server: backlogged tenants are served in proportion to their weights, a light
 tenant is admitted and served while a heavy one floods the queue, and a queued request that cannot start
-within its tenant's TTFT target (plus the grace) is refused before any byte of its answer."""
+within its tenant's TTFT target (plus the grace) is refused before any byte of its answer; a request shed
+under overload is refused before it is tokenized or reserved."""
 
 from __future__ import annotations
 
@@ -118,14 +119,48 @@ async def test_a_light_tenant_is_not_shed_while_a_heavy_one_floods_the_queue(fai
     assert max(r["queue_s"] for r in light_rows) < target_s
 
 
+async def test_a_request_shed_under_overload_is_refused_before_it_is_tokenized_or_reserved(
+    fair_server: ApiServer,
+) -> None:
+    model = _model(fair_server)
+    _, heavy = _tenant(fair_server, ttft_target_s=PATIENT_S)
+    # Any work queued ahead puts this tenant past its target; its per-minute limit is below any request's
+    # worst-case cost, so a reservation would be refused (429), and one token id is outside the vocabulary,
+    # which tokenizing the prompt would refuse (400).
+    shed_id, shed = _tenant(fair_server, ttft_target_s=0.001, cost_per_minute=1)
+    untokenizable = [*_prompt(8000, 8), 10**9]
+    unreservable = _prompt(8001, 8)
+    flood = [asyncio.create_task(_complete(heavy, model, _prompt(8100 + i, 1900), 4)) for i in range(20)]
+    await asyncio.to_thread(wait_until, lambda: fair_server.admin("engine")["waiting"] >= 10, 60.0, "a flood")
+    refusals = []
+    for prompt in (untokenizable, unreservable):
+        with pytest.raises(openai.APIStatusError) as refused:
+            await shed.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        refusals.append(refused.value)
+    assert fair_server.admin("engine")["waiting"] > 0  # both were answered while the flood was queued
+    for refused in refusals:
+        assert refused.status_code == 503 and refused.body["code"] == "server_overloaded"
+        assert int(refused.response.headers["retry-after"]) >= 1
+    assert fair_server.wait_shed_reasons(shed_id, 2) == ["slo", "slo"]  # and recorded, not as a quota refusal
+    await asyncio.gather(*flood)
+    # With nothing queued, the same requests get as far as the tokenizer and the reservation.
+    with pytest.raises(openai.BadRequestError):
+        await shed.completions.create(model=model, prompt=untokenizable, max_tokens=4, temperature=0)
+    with pytest.raises(openai.RateLimitError):
+        await shed.completions.create(model=model, prompt=unreservable, max_tokens=4, temperature=0)
+    assert sorted(fair_server.wait_shed_reasons(shed_id, 3)) == ["rate", "slo", "slo"]
+    assert fair_server.usage_rows(shed_id) == []
+    wait_until(fair_server.engine_idle, what="all KV blocks free after the flood")
+
+
 async def test_a_request_that_cannot_start_by_its_deadline_is_refused_before_any_byte(
     fair_server: ApiServer,
 ) -> None:
     model = _model(fair_server)
     blocker_id, blocker = _tenant(fair_server, ttft_target_s=PATIENT_S)
-    late_id, late = _tenant(fair_server, ttft_target_s=0.01)
-    # Two long decodes hold both running places; nothing is left to prefill, so admission lets the late
-    # tenant's requests in, and they wait for a place past their deadline.
+    late_id, late = _tenant(fair_server, ttft_target_s=1.0)
+    # Two long decodes hold both running places; a step beside them takes far less than the late tenant's
+    # target, so admission lets its requests in, and they wait for a place past their deadline.
     streams = [
         await blocker.completions.create(
             model=model, prompt=_prompt(7000 + i, 8), max_tokens=2000, temperature=0, stream=True

@@ -159,3 +159,25 @@ def test_a_light_tenants_prompt_is_prefilled_before_a_heavy_tenants_admitted_lon
     fcfs.add(late)
     run_plan(fcfs)
     assert late.num_computed_tokens == 0  # first come, first served: it waits behind the heavy prompts
+
+
+def test_share_ratio_is_recent_service_over_the_weighted_share_of_the_tenants_sharing() -> None:
+    now = [0.0]
+    policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2), clock=lambda: now[0])
+    assert policy.share_ratio("anyone") == 0.0  # nothing served yet: nobody is over its share
+    heavy, light = request("heavy", 0.0), request("light", 0.0, weight=2.0)
+    policy.on_arrival(heavy)
+    policy.on_tokens(heavy, 900, 0)
+    assert policy.share_ratio("heavy") == pytest.approx(1.0)  # alone: all the service is its share
+    assert policy.share_ratio("heavy", 1.0) == pytest.approx(1.0)
+    policy.on_arrival(light)
+    policy.on_tokens(light, 100, 0)
+    # heavy: 90 % of the service against a share of 1/3 (light weighs 2)
+    assert policy.share_ratio("heavy") == pytest.approx(0.9 * 3)
+    assert policy.share_ratio("light", 2.0) == pytest.approx(0.1 * 1.5)
+    assert policy.share_ratio("newcomer") == 0.0
+    policy.on_finish(light)
+    now[0] = 20.0  # one half-life later both have decayed alike; light still counts as sharing
+    assert policy.share_ratio("heavy") == pytest.approx(2.7)
+    now[0] = 100.0  # light sent nothing for longer than the window: heavy's share is all of it again
+    assert policy.share_ratio("heavy") == pytest.approx(0.9)  # (of the recent service, as decayed)
