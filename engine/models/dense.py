@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.packed import Packed
+
 Prepare = Callable[[torch.Tensor], torch.Tensor]
 Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -101,7 +103,13 @@ class Dense:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.forms = {name: KERNELS[name][0](weight) for name in plan.kernels}
+        self.packed: Packed | None = None  # a packed copy for small steps (``packed_weights``)
+
+    def runs_packed(self, rows: int) -> bool:
+        return self.packed is not None and self.packed.runs(rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_packed(x.shape[0]):
+            return self.packed.matrix.linear(x, self.bias)
         name = self.plan.kernel_for(x.shape[0])
         return KERNELS[name][1](x, self.forms[name], self.bias)

@@ -48,9 +48,10 @@ class DtypeChoice:
     kernel_seconds: dict[str, tuple[float, ...]] | None = None
 
 
-def _timed(run: Callable[[], None]) -> float:
+def fastest_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
+    """The fastest of ``repeats`` runs of ``run``, in seconds."""
     best = math.inf
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - started)
@@ -90,7 +91,7 @@ def _step_seconds(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        return config.num_layers * _timed(layer) + _timed(logits)
+        return config.num_layers * fastest_seconds(layer) + fastest_seconds(logits)
 
     with torch.inference_mode():
         return tuple(seconds(count) for count in rows)

@@ -15,6 +15,7 @@ from engine.models.dense import Dense, KernelPlan
 from engine.models.dtype_choice import choose_dtype
 from engine.models.loader import LayerWeights, ModelWeights, load_weights
 from engine.models.memory import retain_freed_memory
+from engine.models.packed_weights import ROLES, PackedWeights, pack_weights
 from engine.models.rope import Rotary, apply_rotary
 
 
@@ -67,6 +68,15 @@ class PagedLlama:
         self.row_multiple = row_multiple
         self.rotary = Rotary(config, device, dtype)
         self.gather_buffers = GatherBuffers()
+        self.packed: PackedWeights | None = None
+
+    def use_packed(self, packed: PackedWeights) -> None:
+        """Let the dense layers run ``packed``'s matrices for the row counts each is chosen for."""
+        for layer, packed_layer in zip(self.layers, packed.layers, strict=True):
+            for role in ROLES:
+                getattr(layer, role).packed = getattr(packed_layer, role)
+        self.lm_head.packed = packed.lm_head
+        self.packed = packed
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, all layers together, for one block of ``block_size`` tokens."""
@@ -146,7 +156,7 @@ class PagedLlama:
     def _linear(self, x: torch.Tensor, dense: Dense) -> torch.Tensor:
         rows = x.shape[0]
         target = max(self.min_rows, -(-rows // self.row_multiple) * self.row_multiple)
-        if rows == target or rows == 0:
+        if rows == target or rows == 0 or dense.runs_packed(rows):
             return dense(x)
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, target - rows))
         return dense(padded)[:rows].reshape(*x.shape[:-1], -1)
@@ -178,4 +188,10 @@ def load_model(
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
     row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
-    return PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, choice.plan)
+    model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, choice.plan)
+    dense = {role: [getattr(layer, role) for layer in model.layers] for role in ROLES}
+    dense["lm_head"] = [model.lm_head]
+    packed = pack_weights(weights, device, choice.dtype, dense)
+    if packed is not None:
+        model.use_packed(packed)
+    return model

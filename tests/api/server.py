@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from engine.models.paged_kernel import kernel_dir
+from engine.models.extension import kernel_dir
 from tenants.admin import create_key, create_tenant
 from tenants.db import create_engine
 from tenants.models import shed_events, usage_events
