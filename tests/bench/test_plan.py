@@ -9,7 +9,7 @@ import pytest
 
 from api.cli import main
 from engine.capacity_plan import StepProfile
-from engine.models.paged_kernel import kernel_dir
+from engine.models.extension import kernel_dir
 from tests.fixtures.database import copy_of_template
 
 GRID = ["--prefill-tokens", "0", "16", "64", "--decodes", "0", "1", "4", "--contexts", "16", "64"]
