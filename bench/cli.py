@@ -1,5 +1,5 @@
-"""`weir bench engine|serve|latency|stops|soak|dashboard|telemetry|fairness|overload`: the benchmarks
-that print comparison tables.
+"""`weir bench engine|serve|latency|stops|soak|dashboard|telemetry|fairness|overload|profile`: the
+benchmarks that print comparison tables; and `weir plan`, the capacity plan from a measured profile.
 
 The benchmark modules (torch, httpx) are imported only when a benchmark runs.
 """
@@ -46,11 +46,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "the same load on weir serve with telemetry off and on (OTLP export): throughput and TTFT",
             add_telemetry_arguments,
         ),
+        (
+            "profile",
+            "step times by prefill tokens, decodes and context, and the model's load time (for weir plan)",
+            add_profile_arguments,
+        ),
     )
     for name, help_text, add_arguments in benchmarks:
         parser = kinds.add_parser(name, help=help_text)
         add_arguments(parser)
         parser.set_defaults(func=partial(_run, _MODULES[name]))
+    plan = subparsers.add_parser(
+        "plan", help="replicas needed for a request mix and rate, with N+1 for failures, from a step profile"
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(func=partial(_run, "bench.plan"))
 
 
 _MODULES = {
@@ -63,6 +73,7 @@ _MODULES = {
     "fairness": "bench.fairness",
     "overload": "bench.overload",
     "telemetry": "bench.telemetry_overhead",
+    "profile": "bench.step_profile",
 }
 
 
@@ -333,3 +344,67 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser) -> None:
         help="both servers' compute dtype (default float32: auto could choose differently for each)",
     )
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: SmolLM2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the engine's dtype (default auto)")
+    parser.add_argument("--quick", action="store_true", help="a 3 x 3 grid and two contexts for a fast look")
+    parser.add_argument("--out", metavar="FILE.json", help="also write the profile here")
+    sizes = {
+        "--prefill-tokens": "prefill tokens of the grid's steps, 0 included (default 0 16 64 128 256 512)",
+        "--decodes": "decodes of the grid's steps, 0 included (default 0 1 4 16 64)",
+        "--contexts": "context tokens of each decode; the first is the grid's (default 64 256 1024)",
+    }
+    for flag, text in sizes.items():
+        parser.add_argument(flag, type=int, nargs="+", metavar="N", help=text)
+    parser.add_argument(
+        "--repeats", type=int, default=3, metavar="N", help="runs per step; the median counts"
+    )
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile", metavar="FILE", help="a weir bench profile JSON (default: the cached one, else measured)"
+    )
+    parser.add_argument("--model", metavar="PATH", help="model directory to profile (default: SmolLM2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the engine's dtype (default auto)")
+    parser.add_argument("--rate", type=float, default=2.0, metavar="R", help="offered requests/s (default 2)")
+    lengths = "N, LOW-HIGH (uniform) or A,B,C (each equally likely)"
+    parser.add_argument("--prompt-tokens", default="16-64", metavar="DIST", help=f"{lengths}; default 16-64")
+    parser.add_argument("--output-tokens", default="8-16", metavar="DIST", help=f"{lengths}; default 8-16")
+    parser.add_argument(
+        "--ttft-ms", type=float, default=2000, metavar="T", help="TTFT p99 target (default 2000)"
+    )
+    parser.add_argument(
+        "--tpot-ms", type=float, default=500, metavar="T", help="TPOT p99 target (default 500)"
+    )
+    parser.add_argument(
+        "--compare-prompt-tokens",
+        nargs="+",
+        default=[],
+        metavar="DIST",
+        help="also plan each of these prompt lengths with the same outputs and rate, in a table",
+    )
+    parser.add_argument(
+        "--failures", type=int, default=1, metavar="F", help="replica failures to survive (default 1: N+1)"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=600, metavar="N", help="requests simulated per rate (default 600)"
+    )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="also measure one replica's capacity on a weir serve here (weir bench overload's search)",
+    )
+    parser.add_argument(
+        "--validate-seconds",
+        type=float,
+        default=40.0,
+        metavar="S",
+        help="length of each capacity trial of --validate (default 40)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of --validate's load (default 0)"
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the plan as JSON")

@@ -7,8 +7,8 @@ yet); their contents are placeholders, which is all a timing needs.
 from __future__ import annotations
 
 import logging
-import math
 import time
+from collections.abc import Callable
 
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -24,10 +24,13 @@ DECODE_CONTEXT = 32  # tokens of context each calibration decode attends to
 REPEATS = 2  # each shape is timed this often; the fastest run counts (the first warms up)
 
 
-def _scratch(kv: KVCacheManager, prefill: int, decodes: int, vocab: int) -> list[tuple[Sequence, int]]:
-    """A step of ``decodes`` decodes then one prefill chunk of ``prefill`` tokens, on scratch sequences
-    that hold blocks (the caller checked that the free blocks hold the step)."""
-    shapes = [(f"calibrate-d{i}", DECODE_CONTEXT - 1, 1) for i in range(decodes)]
+def _scratch(
+    kv: KVCacheManager, prefill: int, decodes: int, vocab: int, context: int
+) -> list[tuple[Sequence, int]]:
+    """A step of ``decodes`` decodes, each at the end of ``context`` tokens, then one prefill chunk of
+    ``prefill`` tokens, on scratch sequences that hold blocks (the caller checked that the free blocks hold
+    the step)."""
+    shapes = [(f"calibrate-d{i}", context - 1, 1) for i in range(decodes)]
     if prefill:
         shapes.append(("calibrate-p", 0, prefill))
     scheduled = []
@@ -40,9 +43,9 @@ def _scratch(kv: KVCacheManager, prefill: int, decodes: int, vocab: int) -> list
     return scheduled
 
 
-def _fits(kv: KVCacheManager, prefill: int, decodes: int) -> bool:
+def _fits(kv: KVCacheManager, prefill: int, decodes: int, context: int) -> bool:
     size = kv.block_size
-    return -(-prefill // size) + decodes * -(-DECODE_CONTEXT // size) <= kv.num_free_blocks
+    return -(-prefill // size) + decodes * -(-context // size) <= kv.num_free_blocks
 
 
 def calibration_shapes(
@@ -55,24 +58,32 @@ def calibration_shapes(
     return [(p, 0) for p in prefills] + [(0, d) for d in decodes]
 
 
-def calibrate(runner: ModelRunner, shapes: list[tuple[int, int]]) -> list[StepSample]:
-    """Time each ``(prefill tokens, decodes)`` step shape; shapes the free blocks cannot hold are skipped."""
+def calibrate(
+    runner: ModelRunner,
+    shapes: list[tuple[int, int]],
+    context: int = DECODE_CONTEXT,
+    repeats: int = REPEATS,
+    statistic: Callable[[list[float]], float] = min,
+) -> list[StepSample]:
+    """Time each ``(prefill tokens, decodes)`` step shape, its decodes attending to ``context`` tokens each:
+    ``statistic`` of ``repeats`` runs (by default the fastest); shapes the free blocks cannot hold are
+    skipped."""
     samples = []
     kv, vocab = runner.kv, runner.model.config.vocab_size
     for prefill, decodes in shapes:
-        if not _fits(kv, prefill, decodes):
+        if not _fits(kv, prefill, decodes, context):
             continue
-        best = math.inf
-        for _ in range(REPEATS):
-            scheduled = _scratch(kv, prefill, decodes, vocab)
+        runs = []
+        for _ in range(repeats):
+            scheduled = _scratch(kv, prefill, decodes, vocab, context)
             try:
                 started = time.perf_counter()
                 runner.run(scheduled)
-                best = min(best, time.perf_counter() - started)
+                runs.append(time.perf_counter() - started)
             finally:
                 for seq, _ in scheduled:
                     kv.free(seq.request_id)
-        samples.append(StepSample(prefill, decodes, best))
+        samples.append(StepSample(prefill, decodes, statistic(runs)))
     log.info(
         "step-time calibration: %s",
         ", ".join(
