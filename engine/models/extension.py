@@ -4,12 +4,16 @@ An extension is compiled just in time into ``$WEIR_KERNEL_DIR/<torch version>-<c
 ``<state_dir>/kernels``) the first time it is needed (logged, tens of seconds) and loaded from there
 afterwards; processes with different state directories can share one build through ``WEIR_KERNEL_DIR``. The
 code is compiled for this CPU's instruction set (``-march=native``), so the directory is keyed by the CPU's
-feature flags. When an extension cannot be built or loaded (no compiler, a failed compile), one warning is
+feature flags. Builders take an advisory lock on ``build.flock`` in that directory, which the system drops
+when a process dies: torch's own ``lock`` file, left behind by a build that was killed, would otherwise make
+every later start wait for it forever, so a builder holding the advisory lock removes it. When an
+extension cannot be built or loaded (no compiler, a failed compile), one warning is
 logged and the caller keeps its pure-torch path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -46,14 +50,17 @@ def load_extension(name: str, source: Path, what: str, fallback: str) -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not built:
             log.info("building the %s into %s (once, tens of seconds)", what, build_dir)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-        )
+        with open(build_dir / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # released by the system if this process dies
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+            cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+            )
     except Exception as exc:  # a missing compiler or a failed build leaves the reference path working
         reason = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
         log.warning("%s unavailable (%s); %s", what, reason[0], fallback)
