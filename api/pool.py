@@ -39,7 +39,7 @@ from api.backend_clients import Backend, BackendFailed, BackendInfo, Ticket, mak
 from api.backends import PoolConfig, PromptSource
 from api.pool_window import Window
 from engine.config import EngineConfig
-from engine.cost import CostWeights
+from engine.cost import CostWeights, worst_case_cost
 from engine.policies import FairSharePolicy
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -180,7 +180,7 @@ class BackendPool:
             raise ValueError(f"request id {request_id!r} is already in the pool")
         now = time.monotonic()
         seq = Sequence(request_id, list(prompt_token_ids), params, tenant_id, priority, weight, now)
-        cost = self._weights.prefill * len(prompt_token_ids) + self._weights.decode * params.max_tokens
+        cost = worst_case_cost(len(prompt_token_ids), params.max_tokens, self._weights)
         pending = _Pending(
             seq,
             source,
