@@ -52,7 +52,6 @@ class PagedLlama:
         device: torch.device,
         dtype: torch.dtype,
         min_rows: int = 1,
-        row_multiple: int = 1,
         plan: KernelPlan | None = None,
     ) -> None:
         self.config = config
@@ -63,9 +62,6 @@ class PagedLlama:
         self.device = device
         self.dtype = dtype
         self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
-        # Dense layers run a multiple of this many rows: CPU 16-bit matrix products keep memory for every
-        # row count they meet, so rounding bounds the shapes a long-running server sees.
-        self.row_multiple = row_multiple
         self.rotary = Rotary(config, device, dtype)
         self.gather_buffers = GatherBuffers()
         self.packed: PackedWeights | None = None
@@ -155,14 +151,13 @@ class PagedLlama:
 
     def _linear(self, x: torch.Tensor, dense: Dense) -> torch.Tensor:
         rows = x.shape[0]
-        target = max(self.min_rows, -(-rows // self.row_multiple) * self.row_multiple)
-        if rows == target or rows == 0 or dense.runs_packed(rows):
+        if rows == 0 or dense.runs_packed(rows):
+            return dense(x)
+        target = dense.rows_to_run(max(self.min_rows, rows))
+        if rows == target:
             return dense(x)
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, target - rows))
         return dense(padded)[:rows].reshape(*x.shape[:-1], -1)
-
-
-ROW_MULTIPLE_16BIT = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,8 +182,7 @@ def load_model(
     device = torch.device(device)
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
-    row_multiple = ROW_MULTIPLE_16BIT if device.type == "cpu" and choice.dtype != torch.float32 else 1
-    model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, row_multiple, choice.plan)
+    model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, choice.plan)
     dense = {role: [getattr(layer, role) for layer in model.layers] for role in ROLES}
     dense["lm_head"] = [model.lm_head]
     packed = pack_weights(weights, device, choice.dtype, dense)

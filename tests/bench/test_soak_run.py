@@ -15,8 +15,8 @@ def test_short_soak_serves_the_mix_and_passes_its_checks(
     tiny_model_dir, pg_server_url, migrated_template, tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "soak.json"
-    # float32: bfloat16 matmuls on a CPU keep memory per new batch shape, which a 12-second run would
-    # count as drift (docs/benchmarks.md, "Soak")
+    # one dtype, so that start-up measures no other: oneDNN keeps memory per row count it meets, bounded
+    # by rounding rows (engine/models/dense.py), and a 12-second run should meet the same few shapes
     options = ["--minutes", "0.2", "--sample-s", "2", "--capacity-s", "4", "--capacity-clients", "4"]
     options += ["--dtype", "float32"]
     with copy_of_template(pg_server_url, migrated_template, prefix="weir_soak") as url:

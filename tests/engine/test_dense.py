@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.dense import Dense, KernelPlan, available_kernels
+from engine.models.dense import SHAPE_ROW_MULTIPLE, Dense, KernelPlan, available_kernels
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])
@@ -52,3 +52,20 @@ def test_a_matrix_keeps_only_the_forms_its_plan_uses() -> None:
     if "onednn" in available_kernels(torch.device("cpu"), torch.float32):
         only = Dense(weight, None, KernelPlan(((1, "onednn"),)))
         assert set(only.forms) == {"onednn"}
+
+
+def test_products_through_onednn_run_a_bounded_set_of_row_counts() -> None:
+    """oneDNN keeps a compiled primitive per row count, so its products round rows up; MKL's fp32 does not."""
+    fp32, bf16 = torch.randn(8, 8), torch.randn(8, 8, dtype=torch.bfloat16)
+    mixed = KernelPlan(((4, "aten"), (256, "onednn")))
+    assert [Dense(fp32, None, mixed).rows_to_run(rows) for rows in (1, 4, 5, 16, 17, 300)] == [
+        1,
+        4,
+        SHAPE_ROW_MULTIPLE,
+        SHAPE_ROW_MULTIPLE,
+        2 * SHAPE_ROW_MULTIPLE,
+        19 * SHAPE_ROW_MULTIPLE,
+    ]
+    aten = KernelPlan(((1, "aten"),))
+    assert [Dense(fp32, None, aten).rows_to_run(rows) for rows in (3, 17)] == [3, 17]
+    assert [Dense(bf16, None, aten).rows_to_run(rows) for rows in (3, 17)] == [16, 32]
