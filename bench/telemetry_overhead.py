@@ -13,6 +13,10 @@ median, so the run says whether its noise is small enough to tell a 2 % differen
 cancels the machine's slow drifts and the rounds' different prompts. The load arrives faster than the
 server drains it, so output tokens/s is the server's capacity. The server process's CPU time per output
 token (from ``/proc``) is shown too.
+
+Both servers run the same matrix-product kernels (``PINNED_KERNELS``, unless this process's environment sets
+them): two start-up measurements on a busy machine can choose differently, and that difference would be
+counted as telemetry's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import re
 import statistics
 import tempfile
@@ -42,6 +47,7 @@ TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
 WORK_REQUESTS = 2000  # requests of the in-process timing of telemetry's own work
 UNBOUNDED_TTFT_S = 3600.0  # the tenants' TTFT target: nothing is shed, both modes do the same work
 CONFIDENCE = 0.95  # of the interval around each median ratio
+PINNED_KERNELS = {"WEIR_DENSE_KERNEL": "onednn", "WEIR_PACKED_WEIGHTS": "16"}
 FIGURES = {  # the figures compared, each read from a run's summary
     "output_tokens_per_s": lambda s: s["output_tokens_per_s"],
     "ttft_p50_ms": lambda s: s["ttft_ms"]["p50"],
@@ -52,10 +58,11 @@ FIGURES = {  # the figures compared, each read from a run's summary
 
 def _server_env(mode: str, receiver: Receiver) -> tuple[dict[str, str], tuple[str, ...]]:
     """The environment and extra ``weir serve`` options of a mode."""
+    pinned = {name: os.environ.get(name, value) for name, value in PINNED_KERNELS.items()}
     if mode == "off":
-        return {}, ()
+        return pinned, ()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": "weir-bench"}
-    return env, ("--log-format", "json")
+    return pinned | env, ("--log-format", "json")
 
 
 def run(args: argparse.Namespace) -> dict:

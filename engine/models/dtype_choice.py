@@ -10,6 +10,9 @@ Each dtype is timed with every matrix-product kernel that runs it here (``dense.
 takes the fastest kernel at each row count, and the chosen dtype's :class:`~engine.models.dense.KernelPlan`
 runs each row count with the kernel measured fastest nearest to it.
 
+``$WEIR_DENSE_KERNEL`` (``aten`` or ``onednn``) runs every product by that kernel where the dtype has it,
+without timing the other: for runs that must compare like with like (``auto``, the default, measures).
+
 Some CPU bf16 kernels are far slower for a handful of rows than for a few more, so the choice also measures
 whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.dense import Dense, KernelPlan, available_kernels
+from engine.models.dense import KERNELS, Dense, KernelPlan, available_kernels
 
 log = logging.getLogger("weir.engine")
 
 ROWS = (1, 16, 256)  # a single decode, a decode batch, a prefill chunk
 PAD_ROWS = 16
 REPEATS = 3  # the fastest of this many runs counts
+KERNEL_ENV = "WEIR_DENSE_KERNEL"
 CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
 
 
@@ -97,6 +102,18 @@ def _step_seconds(
         return tuple(seconds(count) for count in rows)
 
 
+def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels to time for ``dtype``: every one that runs it here, or the one ``$WEIR_DENSE_KERNEL``
+    names (``aten`` where that one does not run ``dtype`` here)."""
+    available = available_kernels(device, dtype)
+    wanted = os.environ.get(KERNEL_ENV, "auto").strip().lower()
+    if wanted == "auto":
+        return available
+    if wanted not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV} must be auto or one of {', '.join(KERNELS)}, got {wanted!r}")
+    return (wanted,) if wanted in available else ("aten",)
+
+
 def _supported(name: str, device: torch.device) -> bool:
     if device.type == "cuda" and name == "bfloat16":
         return torch.cuda.is_bf16_supported()
@@ -117,7 +134,7 @@ def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ..
             dtype = getattr(torch, name)
             by_kernel[name] = {
                 kernel: _step_seconds(config, device, dtype, kernel, ROWS)
-                for kernel in available_kernels(device, dtype)
+                for kernel in kernels_to_time(device, dtype)
             }
     seconds = {
         name: tuple(min(times[i] for times in kernels.values()) for i in range(len(ROWS)))

@@ -11,7 +11,7 @@ import torch
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.dense import KernelPlan
-from engine.models.dtype_choice import PAD_ROWS, ROWS, choose_dtype
+from engine.models.dtype_choice import KERNEL_ENV, PAD_ROWS, ROWS, choose_dtype
 from engine.tokenizer import Tokenizer
 from tests.engine.engine_helpers import make_core, random_prompts
 from tests.engine.test_engine_greedy import QUESTIONS, run_greedy
@@ -33,6 +33,18 @@ def test_auto_takes_the_candidate_with_the_fastest_measured_steps(tiny_model_dir
     assert choice.plan == KernelPlan.from_measured(ROWS, quickest)
     only = choose_dtype(ModelConfig.from_dir(tiny_model_dir), torch.device("cpu"), ("float32",))
     assert only.dtype == torch.float32 and set(only.seconds) == {"float32"}
+
+
+def test_the_kernel_can_be_pinned_for_runs_that_compare_like_with_like(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, cpu = ModelConfig.from_dir(tiny_model_dir), torch.device("cpu")
+    monkeypatch.setenv(KERNEL_ENV, "aten")
+    pinned = choose_dtype(config, cpu, ("float32",))
+    assert pinned.plan == KernelPlan(((ROWS[-1], "aten"),)) and set(pinned.kernel_seconds) == {"aten"}
+    monkeypatch.setenv(KERNEL_ENV, "mkl")
+    with pytest.raises(ValueError, match=KERNEL_ENV):
+        choose_dtype(config, cpu, ("float32",))
 
 
 def test_the_engine_runs_and_caches_in_the_chosen_dtype(tiny_model_dir: Path) -> None:
