@@ -33,7 +33,32 @@ LOADS = {
 }
 SHAPE = WorkloadSpec(prompt_len=(16, 64), output_len=(8, 16))
 BURST = 4  # requests per tenant sent at once to gauge the throughput
-CAPACITY_TRIALS = (0.8, 0.6, 0.45, 0.3, 0.2)  # of the burst throughput, tried in turn
+CAPACITY_STEP = 1.5  # the factor between trials until one meets the target and one misses it
+CAPACITY_PRECISION = 1.1  # the search ends when the rate that missed is within this factor of the one met
+CAPACITY_TRIALS = 7  # at most
+
+
+@dataclass
+class Bracket:
+    """The capacity search's bracket: the highest rate that met the target and the lowest that missed."""
+
+    met: float | None = None
+    missed: float | None = None
+
+    def next_rate(self, rate: float, ok: bool) -> float | None:
+        """Record a load at ``rate``; the next rate to try, or None once the bracket is within
+        ``CAPACITY_PRECISION``."""
+        if ok:
+            self.met = rate if self.met is None else max(self.met, rate)
+        else:
+            self.missed = rate if self.missed is None else min(self.missed, rate)
+        if self.met is None:
+            return self.missed / CAPACITY_STEP
+        if self.missed is None:
+            return self.met * CAPACITY_STEP
+        if self.missed / self.met <= CAPACITY_PRECISION:
+            return None
+        return (self.met * self.missed) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -96,9 +121,12 @@ async def measure_capacity(
 ) -> dict:
     """The total request rate the server carries with TTFT p99 within the target and nothing refused.
 
-    First a burst of ``BURST`` requests per tenant, sent at once, gives the throughput at a full batch; then
-    Poisson loads of ``seconds`` at falling fractions of it (``CAPACITY_TRIALS``), the three tenants
-    sharing each rate evenly, until one meets the target. The lowest fraction is taken when none does.
+    First a burst of ``BURST`` requests per tenant, sent at once, gauges the throughput; then Poisson loads
+    of ``seconds``, the three tenants sharing each rate evenly, bracket the capacity: from the burst's
+    rate up or down by ``CAPACITY_STEP`` until one load meets the target and another misses it, then
+    halving the bracket (geometrically) until the rate missed is within ``CAPACITY_PRECISION`` of the rate
+    met, in at most ``CAPACITY_TRIALS`` loads. The capacity is the highest rate met (the lowest tried when
+    none met); ``missed_at_rps`` the lowest rate missed.
     """
     burst = [
         replace(r, at=0.0) for r in tenant_load(tokenizer, keys, [BURST / seconds] * 3, seconds, seed, 0)
@@ -109,17 +137,25 @@ async def measure_capacity(
         raise RuntimeError("no request of the capacity burst completed")
     throughput = len(ended) / (max(ended) - min(r.sent for r in records))
     report(f"capacity: a burst of {len(burst)} requests ran at {throughput:.3f} req/s")
-    trials = []
-    for index, fraction in enumerate(CAPACITY_TRIALS, start=1):
-        rate = throughput * fraction
+    trials: list[dict] = []
+    bracket = Bracket()
+    rate: float | None = throughput
+    for index in range(1, CAPACITY_TRIALS + 1):
         load = tenant_load(tokenizer, keys, [rate / 3] * 3, seconds, seed, index)
         records = await run_load(base_url, model, load)
         admitted = [r for r in records if r.ok]
         p99 = percentile([r.ttft for r in admitted if r.ttft is not None], 99)
         refused = sum(r.refused for r in records)
-        met = refused == 0 and len(admitted) == len(records) and p99 is not None and p99 <= slo.ttft_s
-        trials.append({"rate_rps": round(rate, 4), "ttft_p99_ms": ms(p99), "refused": refused, "met": met})
+        ok = refused == 0 and len(admitted) == len(records) and p99 is not None and p99 <= slo.ttft_s
+        trials.append({"rate_rps": round(rate, 4), "ttft_p99_ms": ms(p99), "refused": refused, "met": ok})
         report(f"capacity: {rate:.3f} req/s: TTFT p99 {ms(p99)} ms, {refused} refused")
-        if met:
+        rate = bracket.next_rate(rate, ok)
+        if rate is None:
             break
-    return {"capacity_rps": trials[-1]["rate_rps"], "burst_rps": round(throughput, 4), "trials": trials}
+    capacity = bracket.met if bracket.met is not None else min(t["rate_rps"] for t in trials)
+    return {
+        "capacity_rps": round(capacity, 4),
+        "missed_at_rps": None if bracket.missed is None else round(bracket.missed, 4),
+        "burst_rps": round(throughput, 4),
+        "trials": trials,
+    }

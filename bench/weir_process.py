@@ -90,13 +90,17 @@ def weir_serve(
 ) -> Iterator[WeirProcess]:
     """``weir serve --model model_dir --port port *options`` on ``database_url`` with a fresh admin token
     and ``env`` added to the environment, yielded once ``/readyz`` answers 200; its output goes to
-    ``state_dir/server.log``.
+    ``state_dir/server.log``. It shares this process's built kernels (``kernel_dir``), so a fresh state
+    directory does not compile them again.
 
     On exit it is stopped with SIGTERM (a graceful shutdown: in-flight requests settle, the usage ledger is
     flushed) and killed only if it has not exited after ``STOP_TIMEOUT_S``.
     """
+    from engine.models.extension import kernel_dir
+
     token = secrets.token_urlsafe(24)
     env = {
+        "WEIR_KERNEL_DIR": str(kernel_dir()),
         **os.environ,
         **(env or {}),
         "DATABASE_URL": database_url,

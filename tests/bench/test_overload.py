@@ -6,7 +6,17 @@ import json
 
 from api.cli import main
 from bench.latency import RequestRecord
-from bench.overload_load import LOADS, TENANTS, Slo, refusal_latency_p99_ms, tenant_figures
+from bench.overload_load import (
+    CAPACITY_PRECISION,
+    CAPACITY_STEP,
+    CAPACITY_TRIALS,
+    LOADS,
+    TENANTS,
+    Bracket,
+    Slo,
+    refusal_latency_p99_ms,
+    tenant_figures,
+)
 from tests.fixtures.database import copy_of_template
 
 
@@ -14,6 +24,24 @@ def _served(ttft: float, tpot: float, tokens: int = 5) -> RequestRecord:
     first = 10.0 + ttft
     chunks = [first + i * tpot for i in range(tokens)]
     return RequestRecord(sent=10.0, status=200, chunk_times=chunks, done=chunks[-1], output_tokens=tokens)
+
+
+def test_the_capacity_search_brackets_the_rate_that_meets_the_target():
+    capacity = 7.0  # a server that meets the target at any rate up to this one
+
+    def search(start: float) -> tuple[Bracket, list[float]]:
+        bracket, tried, rate = Bracket(), [], start
+        while rate is not None:
+            tried.append(rate)
+            rate = bracket.next_rate(rate, rate <= capacity)
+        return bracket, tried
+
+    for start in (3.0, 7.0, 15.0):  # within a step or two of the burst's rate
+        bracket, tried = search(start)
+        assert bracket.met <= capacity < bracket.missed <= bracket.met * CAPACITY_PRECISION
+        assert len(tried) <= CAPACITY_TRIALS
+    _, upward = search(1.0)
+    assert upward[:3] == [1.0, CAPACITY_STEP, CAPACITY_STEP**2]  # up by the step until one misses
 
 
 def test_a_tenant_is_judged_on_its_admitted_requests_and_refusals_are_counted_apart():
