@@ -86,6 +86,7 @@ class EngineCore:
         self._ttft_ratios: deque[float] = deque(maxlen=TTFT_RATIO_WINDOW)
         self._ttft_ratio_quantiles: tuple[float | None, float | None] = (None, None)
         self._queued_prefill: dict[str, int] = {}
+        self._step_limit = config.max_batched_tokens  # of a step beside the running decodes (``_refresh``)
         self._stats = self._snapshot()
 
     @classmethod
@@ -283,6 +284,7 @@ class EngineCore:
 
     def _refresh(self) -> None:
         self._queued_prefill = self.scheduler.queued_prefill_by_tenant()
+        self._step_limit = self.scheduler.step_token_limit()
         self._stats = self._snapshot()
 
     def _snapshot(self) -> EngineStats:
@@ -322,14 +324,14 @@ class EngineCore:
         extra_queued: Mapping[str, int] | None = None,
     ) -> TTFTEstimate:
         """A new request's time to first token: the prefill ahead of it (per the policy) and its own,
-        beside the decodes running now, timed by the step-time model (see ``engine/step_time.py``).
+        beside the decodes running now, in steps as large as their time-per-token targets allow, timed by
+        the step-time model (see ``engine/step_time.py``).
         ``extra_queued`` is prefill per tenant about to join the queue (submitted, not yet taken in)."""
         queued = Counter(self._queued_prefill)
         queued.update(extra_queued or {})
         ahead = self.scheduler.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight)
         costs = self._step_time.costs()
-        budget = self.scheduler.max_batched_tokens
-        seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, budget)
+        seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, self._step_limit)
         share = self.scheduler.policy.share_ratio(tenant_id, weight)
         return TTFTEstimate(seconds=seconds, queued_tokens=ahead, reliable=costs.reliable, share_ratio=share)
 

@@ -113,12 +113,17 @@ class FairSharePolicy(Policy):
     def pick_next(self, waiting: Seq[Sequence], planned: Mapping[str, int] | None = None) -> Sequence:
         planned = planned or {}
 
-        def counter(t: str) -> tuple[float, str]:
-            pending = self.cost.prefill * planned.get(t, 0) / self.weights.get(t, 1.0)
-            return (self.counters.get(t, 0.0) + pending, t)
+        oldest: dict[str, Sequence] = {}  # each tenant's first request in FCFS order
+        for seq in waiting:
+            first = oldest.get(seq.tenant_id)
+            if first is None or _fcfs_key(seq) < _fcfs_key(first):
+                oldest[seq.tenant_id] = seq
 
-        tenant = min({s.tenant_id for s in waiting}, key=counter)
-        return min((s for s in waiting if s.tenant_id == tenant), key=_fcfs_key)
+        def order(t: str) -> tuple[float, tuple[int, float]]:  # counters tie after a lift: older goes first
+            pending = self.cost.prefill * planned.get(t, 0) / self.weights.get(t, 1.0)
+            return (self.counters.get(t, 0.0) + pending, _fcfs_key(oldest[t]))
+
+        return oldest[min(oldest, key=order)]
 
     def pick_victim(self, candidates: Seq[Sequence]) -> Sequence:
         tenant = max({s.tenant_id for s in candidates}, key=lambda t: (self.counters.get(t, 0.0), t))

@@ -28,6 +28,9 @@ from engine.policies import Policy
 from engine.sequence import Sequence, SequenceStatus
 
 MIN_PREFILL_TOKENS = 16  # prefill a step may carry beside decodes even when their target leaves no room
+# Steps beside decodes aim at this share of their tightest time-per-token target: the step-time model's
+# error and the time between steps (sampling, streaming) must still fit within the target.
+TPOT_HEADROOM = 0.8
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Scheduler:
             if is_decode and self._reserve(seq, 1, planned, preempted):
                 planned[seq.request_id] = (seq, 1)
                 budget -= 1
-        budget = max(0, self._stall_free_limit(planned) - len(planned))
+        budget = max(0, self._stall_free_limit([seq for seq, _ in planned.values()]) - len(planned))
         rejected = self._prefill(planned, preempted, budget)
         for seq in preempted:
             self.waiting.append(seq)
@@ -152,13 +155,18 @@ class Scheduler:
             self.finish(seq, "deadline", f"not started within its deadline (waited {waited:.2f} s)")
         return expired
 
-    def _stall_free_limit(self, decodes: dict[str, tuple[Sequence, int]]) -> int:
-        """The step's token limit once its decodes are planned: the prefill that fits within the tightest
-        time-per-token target among them joins them (at least ``MIN_PREFILL_TOKENS``, so prompts progress)."""
-        targets = [seq.tpot_target_s for seq, _ in decodes.values() if seq.tpot_target_s]
+    def step_token_limit(self) -> int:
+        """The token limit of a step that decodes every running sequence (what a TTFT estimate assumes)."""
+        return self._stall_free_limit(self.running)
+
+    def _stall_free_limit(self, decodes: list[Sequence]) -> int:
+        """The step's token limit beside ``decodes``: the prefill that fits within ``TPOT_HEADROOM`` of the
+        tightest time-per-token target among them joins them (at least ``MIN_PREFILL_TOKENS``, so prompts
+        progress)."""
+        targets = [seq.tpot_target_s for seq in decodes if seq.tpot_target_s]
         if not targets or self.prefill_budget is None:
             return self.max_batched_tokens
-        fits = max(MIN_PREFILL_TOKENS, self.prefill_budget(len(decodes), min(targets)))
+        fits = max(MIN_PREFILL_TOKENS, self.prefill_budget(len(decodes), TPOT_HEADROOM * min(targets)))
         return min(self.max_batched_tokens, len(decodes) + fits)
 
     def _reserve(

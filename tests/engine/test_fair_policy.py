@@ -36,7 +36,9 @@ def test_the_tenant_with_the_smallest_weighted_counter_goes_next() -> None:
     a1, a2, b1 = request("a", 0.0), request("a", 1.0), request("b", 2.0, weight=2.0)
     for seq in (a1, a2, b1):
         policy.on_arrival(seq)
-    assert policy.pick_next([a1, a2, b1]) is a1  # equal counters: ties by tenant name, then oldest
+    assert policy.pick_next([a1, a2, b1]) is a1  # equal counters: the oldest request goes first
+    late, early = request("z", 5.0), request("y", 4.0)
+    assert FairSharePolicy().pick_next([late, early]) is early  # not the tenant's name
     policy.on_tokens(a1, 10, 5, cached_tokens=20)  # a: (10 + 2 + 10) / 1 = 22
     policy.on_tokens(b1, 30, 0)  # b: 30 / 2 = 15
     assert policy.counters == {"a": pytest.approx(22.0), "b": pytest.approx(15.0)}

@@ -11,7 +11,7 @@ from engine.batch import StepBatch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.policies import FCFSPolicy, make_policy
-from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler, StepPlan
+from engine.scheduler import MIN_PREFILL_TOKENS, TPOT_HEADROOM, Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_time import StepCosts
 from engine.types import SamplingParams
@@ -166,8 +166,10 @@ def test_prefill_beside_decodes_fits_their_tightest_time_per_token_target() -> N
     step(scheduler)  # both prompts in one step: no decodes yet, so no limit
     add(scheduler, "long", 900, 1.0)
     plan, batch = step(scheduler)
-    assert plan.num_decode_tokens == 2 and plan.num_prefill_tokens == 36  # (0.05 - 0.010 - 2 * 0.002) / 0.001
-    assert costs.step_seconds(plan.num_prefill_tokens, plan.num_decode_tokens) <= 0.05
+    # (0.8 * 0.05 - 0.010 - 2 * 0.002) / 0.001: the step aims at TPOT_HEADROOM of the tightest target
+    assert plan.num_decode_tokens == 2 and plan.num_prefill_tokens == 26
+    assert costs.step_seconds(plan.num_prefill_tokens, plan.num_decode_tokens) <= TPOT_HEADROOM * 0.05
+    assert scheduler.step_token_limit() == 3 + 24  # what a TTFT estimate assumes: all three running decode
     fast.tpot_target_s = 0.001  # a target no prefill fits: prompts still progress a little
     assert step(scheduler)[0].num_prefill_tokens == MIN_PREFILL_TOKENS
     fast.tpot_target_s = slow.tpot_target_s = None  # no targets: the whole budget
