@@ -10,7 +10,8 @@ A replica's **capacity** is the highest Poisson arrival rate at which the simula
 schedule keeps TTFT p99 and TPOT p99 within their targets. ``simulate`` replays the engine's step planning
 (``engine/scheduler.py``) request by request: running decodes first, then prefill chunks of at most
 ``prefill_chunk_size`` tokens in arrival order within the step's token budget and the running-sequence cap,
-the prefill beside decodes capped so the step fits the TPOT target, each step lasting what the profile says.
+the prefill beside decodes capped so the step fits the scheduler's share of the TPOT target
+(``TPOT_HEADROOM``), each step lasting what the profile says.
 KV memory is not modelled (no preemption); ``Simulation.peak_kv_tokens`` says how much the schedule held.
 
 The **plan** for an offered rate: ``ceil(rate / capacity)`` replicas, plus one per failure to survive
@@ -30,9 +31,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.scheduler import MIN_PREFILL_TOKENS, TPOT_HEADROOM
+
 PROFILE_KIND = "weir.step_profile"
 PROFILE_VERSION = 1
-MIN_PREFILL_TOKENS = 16  # the engine's scheduler lets this much prefill join decodes whatever their target
 QUANTILE = 0.99
 SIM_REQUESTS = 600  # requests simulated per rate
 WARMUP_SHARE = (
@@ -317,7 +319,7 @@ def simulate(
         )
         budget = limits.max_batched_tokens - len(decodes)
         if decodes:
-            fits = profile.prefill_within(targets.tpot_s, len(decodes), context, budget)
+            fits = profile.prefill_within(TPOT_HEADROOM * targets.tpot_s, len(decodes), context, budget)
             budget = min(budget, max(MIN_PREFILL_TOKENS, fits))
         chunks: list[tuple[_Request, int]] = []
         for r in prefilling:
