@@ -177,20 +177,23 @@ def serving(
         )
     server = ApiServer(f"http://127.0.0.1:{port}", admin_token, database_url, process, log_path)
     try:
-        _wait_ready(process, f"{server.base_url}/readyz", log_path, "weir serve")
+        ready = f"{server.base_url}/readyz"
+        _wait_ready(process, lambda: httpx.get(ready, timeout=2), log_path, "weir serve")
         yield server
     finally:
         _stop(process)
 
 
-def _wait_ready(process: subprocess.Popen, url: str, log_path: Path, what: str) -> None:
-    """Wait until ``url`` answers 200; fail the test when ``process`` exits or the deadline passes."""
+def _wait_ready(
+    process: subprocess.Popen, get: Callable[[], httpx.Response], log_path: Path, what: str
+) -> None:
+    """Wait until ``get()`` answers 200; fail the test when ``process`` exits or the deadline passes."""
     deadline = time.monotonic() + READY_DEADLINE_S
     while True:
         if process.poll() is not None:
             pytest.fail(f"{what} exited with {process.returncode}:\n{log_path.read_text()}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if get().status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -210,14 +213,21 @@ def _stop(process: subprocess.Popen) -> None:
 
 @dataclass
 class EngineServer:
-    """A running ``weir engine``."""
+    """A running ``weir engine``; ``url`` as ``weir serve --backend`` takes it (``http://`` or ``unix:``)."""
 
     url: str
     process: subprocess.Popen
     log_path: Path
 
+    def get(self, path: str, timeout: float = 10) -> httpx.Response:
+        if self.url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=self.url.removeprefix("unix:"))
+            with httpx.Client(transport=transport) as client:
+                return client.get(f"http://engine{path}", timeout=timeout)
+        return httpx.get(f"{self.url}{path}", timeout=timeout)
+
     def stats(self) -> dict:
-        return httpx.get(f"{self.url}/stats", timeout=10).json()
+        return self.get("/stats").json()
 
     def idle(self) -> dict | None:
         """Its stats once nothing runs or waits and every KV block is free, else None."""
@@ -225,39 +235,49 @@ class EngineServer:
         idle = stats["running"] == 0 and stats["waiting"] == 0
         return stats if idle and stats["kv_blocks_free"] == stats["kv_blocks_total"] else None
 
+    def wait_ready(self) -> None:
+        _wait_ready(self.process, lambda: self.get("/health", 2), self.log_path, "weir engine")
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+def start_engine(model_dir: Path, state_dir: Path, *options: str, unix_socket: bool = False) -> EngineServer:
+    """``weir engine --model model_dir *options`` on a free port, or on the unix socket
+    ``state_dir/engine.sock``, started (not yet ready); its output goes to ``state_dir/engine.log``."""
+    env = {**os.environ, "WEIR_KERNEL_DIR": str(kernel_dir().resolve()), "WEIR_STATE_DIR": str(state_dir)}
+    if unix_socket:
+        path = state_dir / "engine.sock"
+        where, url = ["--socket", str(path)], f"unix:{path}"
+    else:
+        port = _free_port()
+        where, url = ["--port", str(port)], f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "api.cli", "engine", "--model", str(model_dir), *where]
+    log_path = state_dir / "engine.log"
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(
+            [*command, "--dtype", "float32", *options],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    return EngineServer(url, process, log_path)
+
 
 @contextmanager
-def engines_serving(model_dir: Path, state_dirs: list[Path], *options: str) -> Iterator[list[EngineServer]]:
-    """One ``weir engine --model model_dir *options`` per state directory, each on a free port, started
-    together and yielded once all are ready; stopped on exit."""
-    env = {**os.environ, "WEIR_KERNEL_DIR": str(kernel_dir().resolve())}
+def engines_serving(
+    model_dir: Path, state_dirs: list[Path], *options: str, unix_sockets: bool = False
+) -> Iterator[list[EngineServer]]:
+    """One ``weir engine`` per state directory (``start_engine``), started together and yielded once all
+    are ready; stopped on exit."""
     engines = []
     try:
         for state_dir in state_dirs:
-            port = _free_port()
-            command = [
-                sys.executable,
-                "-m",
-                "api.cli",
-                "engine",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(port),
-            ]
-            log_path = state_dir / "engine.log"
-            with open(log_path, "w") as log:
-                process = subprocess.Popen(
-                    [*command, "--dtype", "float32", *options],
-                    env={**env, "WEIR_STATE_DIR": str(state_dir)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=Path(__file__).resolve().parents[2],
-                )
-            engines.append(EngineServer(f"http://127.0.0.1:{port}", process, log_path))
+            engines.append(start_engine(model_dir, state_dir, *options, unix_socket=unix_sockets))
         for engine in engines:
-            _wait_ready(engine.process, f"{engine.url}/health", engine.log_path, "weir engine")
+            engine.wait_ready()
         yield engines
     finally:
         for engine in engines:
-            _stop(engine.process)
+            engine.stop()
