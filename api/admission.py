@@ -22,7 +22,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest
 from api.settings import Settings
 from api.tenant_store import TenantStore
 from engine.cost import CostWeights, worst_case_cost
-from engine.types import EngineStats, SamplingParams
+from engine.types import EngineStats, SamplingParams, TTFTEstimate
 from tenants.auth import Principal
 
 if TYPE_CHECKING:
@@ -148,11 +148,12 @@ def _source(body: ChatCompletionRequest | CompletionRequest) -> PromptSource:
     return PromptSource(prompt=body.prompt_input())
 
 
-def _estimate_correction(stats: EngineStats) -> float:
-    """What the TTFT estimate is multiplied by before it is held against a target: the engine's recent
-    actual / predicted ratio (median), when the estimate has run short, capped at ``MAX_ESTIMATE_CORRECTION``.
-    An estimate that runs long is left as it is (admission then errs towards running a request)."""
-    ratio = stats.ttft_estimate_ratio_p50
+def _estimate_correction(stats: EngineStats, estimate: TTFTEstimate) -> float:
+    """What the TTFT estimate is multiplied by before it is held against a target: the recent actual /
+    predicted ratio (median) of the tenant's own requests when it has enough of them, else the engine's,
+    when the estimate has run short, capped at ``MAX_ESTIMATE_CORRECTION``. An estimate that runs long is
+    left as it is (admission then errs towards running a request)."""
+    ratio = estimate.tenant_ratio_p50 or stats.ttft_estimate_ratio_p50
     return 1.0 if ratio is None else min(MAX_ESTIMATE_CORRECTION, max(1.0, ratio))
 
 
@@ -236,7 +237,7 @@ class Admission:
             # share every step); on an idle engine, or with an estimate that rests on one step size only, the
             # request runs even if it would miss its target alone.
             estimate = self._engine.estimate_ttft(prompt_len, tenant, principal.tenant.weight)
-            predicted = estimate.seconds * _estimate_correction(stats)
+            predicted = estimate.seconds * _estimate_correction(stats, estimate)
             limit = _slo_limit(principal.tenant.ttft_target_s, estimate.share_ratio)
             busy = estimate.queued_tokens > 0 or stats.running > 0
             if busy and estimate.reliable and predicted > limit:

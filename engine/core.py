@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -31,6 +31,9 @@ log = logging.getLogger("weir.engine")
 
 RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
 TTFT_RATIO_WINDOW = 500  # recent requests behind the estimate's error figures in stats
+TENANT_RATIO_WINDOW = 32  # a tenant's recent requests behind its own estimate error
+TENANT_RATIO_MIN = 8  # requests a tenant needs before its own error is used
+TENANT_RATIO_TENANTS = 1000  # tenants whose error is kept (the least recently served are forgotten)
 
 
 @dataclass(eq=False)
@@ -84,6 +87,8 @@ class EngineCore:
         shapes = calibration_shapes(config.max_batched_tokens, config.max_num_seqs, self.max_model_len)
         self._step_time.calibrate(calibrate(self.runner, shapes))
         self._ttft_ratios: deque[float] = deque(maxlen=TTFT_RATIO_WINDOW)
+        self._tenant_ratios: OrderedDict[str, deque[float]] = OrderedDict()
+        self._tenant_ratio_p50: dict[str, float] = {}  # other threads only ``get`` from it
         self._ttft_ratio_quantiles: tuple[float | None, float | None] = (None, None)
         self._queued_prefill: dict[str, int] = {}
         self._step_limit = config.max_batched_tokens  # of a step beside the running decodes (``_refresh``)
@@ -278,9 +283,18 @@ class EngineCore:
         """Keep how far the request's first token came from the estimate made at its arrival."""
         if not seq.predicted_ttft:
             return
-        self._ttft_ratios.append((seq.first_token_time - seq.arrival_time) / seq.predicted_ttft)
+        ratio = (seq.first_token_time - seq.arrival_time) / seq.predicted_ttft
+        self._ttft_ratios.append(ratio)
         ratios = sorted(self._ttft_ratios)
         self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _quantile(ratios, 0.9))
+        tenant = self._tenant_ratios.pop(seq.tenant_id, None) or deque(maxlen=TENANT_RATIO_WINDOW)
+        tenant.append(ratio)
+        self._tenant_ratios[seq.tenant_id] = tenant
+        if len(tenant) >= TENANT_RATIO_MIN:
+            self._tenant_ratio_p50[seq.tenant_id] = _quantile(sorted(tenant), 0.5)
+        while len(self._tenant_ratios) > TENANT_RATIO_TENANTS:
+            forgotten, _ = self._tenant_ratios.popitem(last=False)
+            self._tenant_ratio_p50.pop(forgotten, None)
 
     def _refresh(self) -> None:
         self._queued_prefill = self.scheduler.queued_prefill_by_tenant()
@@ -333,7 +347,13 @@ class EngineCore:
         costs = self._step_time.costs()
         seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, self._step_limit)
         share = self.scheduler.policy.share_ratio(tenant_id, weight)
-        return TTFTEstimate(seconds=seconds, queued_tokens=ahead, reliable=costs.reliable, share_ratio=share)
+        return TTFTEstimate(
+            seconds=seconds,
+            queued_tokens=ahead,
+            reliable=costs.reliable,
+            share_ratio=share,
+            tenant_ratio_p50=self._tenant_ratio_p50.get(tenant_id),
+        )
 
 
 def _quantile(ordered: list[float], q: float) -> float:

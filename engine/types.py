@@ -104,3 +104,6 @@ class TTFTEstimate:
     queued_tokens: int  # prefill tokens that would be computed before this request's own
     reliable: bool  # False while the step-time model has not seen prefill steps of several sizes
     share_ratio: float = 1.0  # the tenant's recent service over its fair share (the policy's ``share_ratio``)
+    # the tenant's own recent actual / predicted TTFT (median), once it has enough finished requests: under
+    # fair share a tenant above its share waits behind others' later arrivals, which no estimate foresees
+    tenant_ratio_p50: float | None = None

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.client import AsyncEngine
-from engine.core import EngineCore
+from engine.core import TENANT_RATIO_MIN, EngineCore
 from engine.types import SamplingParams
 from tests.engine.engine_helpers import (
     assert_block_references_match,
@@ -160,3 +160,15 @@ def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path)
     assert core.estimate_ttft(100).seconds < core.estimate_ttft(600).seconds
     stats = core.stats()
     assert stats.ttft_estimate_ratio_p50 is not None and stats.ttft_estimate_ratio_p50 > 0
+
+
+def test_a_tenant_with_enough_finished_requests_has_its_own_estimate_error(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir)
+    for i, prompt in enumerate(random_prompts([40] * TENANT_RATIO_MIN, seed=9)):
+        core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=2), tenant_id="busy")
+    while core.has_unfinished():
+        core.step()
+    own = core.estimate_ttft(40, "busy").tenant_ratio_p50
+    assert own is not None and own > 0
+    assert own == core.stats().ttft_estimate_ratio_p50  # the only tenant so far: the engine's figure too
+    assert core.estimate_ttft(40, "quiet").tenant_ratio_p50 is None  # none finished: the engine's is used
