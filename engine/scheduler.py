@@ -203,6 +203,12 @@ class Scheduler:
         by_tenant: dict[str, int] = defaultdict(int)  # prefill planned so far, for the policy's order
         admitting = True
         while candidates and budget > 0:
+            if not (admitting and len(self.running) < self.max_num_seqs):
+                # nothing more is admitted this step: only prompts already running can still be chosen
+                # (the waiting ones would each be picked and passed over, a policy call apiece)
+                candidates = [c for c in candidates if c.status is SequenceStatus.RUNNING]
+                if not candidates:
+                    break
             seq = self.policy.pick_next(candidates, by_tenant)
             candidates.remove(seq)
             left = budget

@@ -191,3 +191,26 @@ def test_a_request_past_its_start_deadline_is_refused_unstarted_and_a_started_on
     assert late.first_scheduled_time is None and not scheduler.kv.table("late")
     assert running.status is SequenceStatus.RUNNING and patient in scheduler.waiting
     assert late not in scheduler.waiting
+
+
+def test_a_full_engine_asks_its_policy_only_about_the_prompts_it_can_still_run() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, prefill_chunk_size=8, max_batched_tokens=64)
+    picks: list[str] = []
+    choose = scheduler.policy.pick_next
+
+    def counted(waiting, planned=None):
+        seq = choose(waiting, planned)
+        picks.append(seq.request_id)
+        return seq
+
+    scheduler.policy.pick_next = counted
+    long_prompt = add(scheduler, "long", 20, 0.0)
+    add(scheduler, "short", 4, 1.0)
+    for i in range(50):  # a queue that cannot be admitted while both places are taken
+        add(scheduler, f"queued-{i}", 4, 2.0 + i)
+    step(scheduler)
+    assert picks == ["long", "short"]  # both admitted; the 50 waiting are not offered one by one
+    picks.clear()
+    plan, _ = step(scheduler)
+    assert picks == ["long"] and long_prompt.num_computed_tokens == 16  # its second chunk beside a decode
+    assert len(scheduler.waiting) == 50 and plan.num_decode_tokens == 1
