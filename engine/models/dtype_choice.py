@@ -35,7 +35,7 @@ log = logging.getLogger("weir.engine")
 
 ROWS = (1, 16, 256)  # a single decode, a decode batch, a prefill chunk
 PAD_ROWS = 16
-REPEATS = 3  # the fastest of this many runs counts
+REPEATS = 5  # the fastest of this many runs counts
 KERNEL_ENV = "WEIR_DENSE_KERNEL"
 CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
 
@@ -64,42 +64,56 @@ def fastest_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
 
 
 def _step_seconds(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, kernel: str, rows: tuple[int, ...]
-) -> tuple[float, ...]:
-    """Dense-layer seconds of one step of each of ``rows`` tokens (logits for at most ``PAD_ROWS`` of
-    them), every product run by ``kernel``."""
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: tuple[str, ...],
+    rows: tuple[int, ...],
+) -> dict[str, tuple[float, ...]]:
+    """Per kernel, the dense-layer seconds of one step of each of ``rows`` tokens (logits for at most
+    ``PAD_ROWS`` of them), every product run by that kernel. The kernels take turns within each repeat,
+    so that a slow moment of the machine falls on all of them rather than on whichever ran then."""
     hidden, heads = config.hidden_size, config.num_heads
     qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
     shapes = ((qkv, hidden), (hidden, heads * config.head_dim), (2 * config.intermediate_size, hidden))
-    plan = KernelPlan(((1, kernel),))
+    shapes += ((hidden, config.intermediate_size),)
+    matrices = [torch.randn(out, inp, dtype=dtype, device=device) for out, inp in shapes]
+    head_matrix = torch.randn(config.vocab_size, hidden, dtype=dtype, device=device)
+    forms = {
+        kernel: (
+            [Dense(m, None, KernelPlan(((1, kernel),))) for m in matrices],
+            Dense(head_matrix, None, KernelPlan(((1, kernel),))),
+        )
+        for kernel in kernels
+    }
 
-    def dense(out: int, inp: int) -> Dense:
-        return Dense(torch.randn(out, inp, dtype=dtype, device=device), None, plan)
+    def layer_products(dense: list[Dense], inputs: tuple[torch.Tensor, ...]) -> None:
+        for product, x in zip(dense, inputs, strict=True):
+            product(x)
 
-    weights = [dense(out, inp) for out, inp in shapes]
-    down, head = dense(hidden, config.intermediate_size), dense(config.vocab_size, hidden)
+    def timed(run: Callable[..., object], *args: object) -> float:
+        started = time.perf_counter()
+        run(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
 
-    def seconds(count: int) -> float:
-        x = torch.randn(count, hidden, dtype=dtype, device=device)
-        wide = torch.randn(count, config.intermediate_size, dtype=dtype, device=device)
-        logits_rows = x[: min(count, PAD_ROWS)]
-
-        def layer() -> None:
-            for weight in weights:
-                weight(x)
-            down(wide)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        def logits() -> None:
-            head(logits_rows)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        return config.num_layers * fastest_seconds(layer) + fastest_seconds(logits)
-
+    seconds: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     with torch.inference_mode():
-        return tuple(seconds(count) for count in rows)
+        for count in rows:
+            x = torch.randn(count, hidden, dtype=dtype, device=device)
+            wide = torch.randn(count, config.intermediate_size, dtype=dtype, device=device)
+            inputs = (x, x, x, wide)
+            logits_rows = x[: min(count, PAD_ROWS)]
+            layer = dict.fromkeys(kernels, math.inf)
+            logits = dict.fromkeys(kernels, math.inf)
+            for _ in range(REPEATS):
+                for kernel, (dense, head) in forms.items():
+                    layer[kernel] = min(layer[kernel], timed(layer_products, dense, inputs))
+                    logits[kernel] = min(logits[kernel], timed(head, logits_rows))
+            for kernel in kernels:
+                seconds[kernel].append(config.num_layers * layer[kernel] + logits[kernel])
+    return {kernel: tuple(times) for kernel, times in seconds.items()}
 
 
 def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
@@ -132,10 +146,7 @@ def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ..
     for name in candidates:
         if _supported(name, device):
             dtype = getattr(torch, name)
-            by_kernel[name] = {
-                kernel: _step_seconds(config, device, dtype, kernel, ROWS)
-                for kernel in kernels_to_time(device, dtype)
-            }
+            by_kernel[name] = _step_seconds(config, device, dtype, kernels_to_time(device, dtype), ROWS)
     seconds = {
         name: tuple(min(times[i] for times in kernels.values()) for i in range(len(ROWS)))
         for name, kernels in by_kernel.items()
