@@ -246,13 +246,15 @@ class BackendPool:
         queued: Counter[str] = Counter()
         for pending in self._waiting:
             queued[pending.seq.tenant_id] += math.ceil(pending.remaining / prefill)
-        ahead = self.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight)
         _, _, rate = self._rates()
         ttfts = [m.window.ttft_s for m in self._members if m.healthy and m.window.ttft_s is not None]
         backend_s = min(ttfts) if ttfts else 0.0
         share = self.policy.share_ratio(tenant_id, weight)
+        ahead = self.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight)
         if not rate:
             return TTFTEstimate(backend_s, ahead, False, share)
+        # as in the engine: a second pass adds what others send within the first pass's wait
+        ahead = self.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight, ahead * prefill / rate)
         return TTFTEstimate(ahead * prefill / rate + backend_s, ahead, bool(ttfts), share)
 
     # -- dispatch ---------------------------------------------------------------------------------------

@@ -343,9 +343,12 @@ class EngineCore:
         ``extra_queued`` is prefill per tenant about to join the queue (submitted, not yet taken in)."""
         queued = Counter(self._queued_prefill)
         queued.update(extra_queued or {})
-        ahead = self.scheduler.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight)
         costs = self._step_time.costs()
-        seconds = costs.prefill_seconds(ahead + max(prompt_tokens, 1), self._stats.running, self._step_limit)
+        ahead, seconds = 0, 0.0
+        for _ in range(2):  # the second pass adds what others send within the first pass's wait
+            ahead = self.scheduler.policy.tokens_ahead(queued, tenant_id, prompt_tokens, weight, seconds)
+            tokens = ahead + max(prompt_tokens, 1)
+            seconds = costs.prefill_seconds(tokens, self._stats.running, self._step_limit)
         share = self.scheduler.policy.share_ratio(tenant_id, weight)
         return TTFTEstimate(
             seconds=seconds,

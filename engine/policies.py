@@ -18,6 +18,7 @@ from engine.sequence import Sequence
 
 SHARE_HALF_LIFE_S = 20.0  # recent service, for ``share_ratio``, halves every this many seconds
 SHARE_WINDOW_S = 60.0  # a tenant that sent or was served within this long shares the service
+ARRIVAL_HALF_LIFE_S = 5.0  # a tenant's recent prompt arrivals, for its arrival rate, halve this often
 
 
 class Policy:
@@ -36,10 +37,16 @@ class Policy:
         raise NotImplementedError
 
     def tokens_ahead(
-        self, queued_by_tenant: Mapping[str, int], tenant_id: str, prompt_tokens: int = 0, weight: float = 1.0
+        self,
+        queued_by_tenant: Mapping[str, int],
+        tenant_id: str,
+        prompt_tokens: int = 0,
+        weight: float = 1.0,
+        horizon_s: float = 0.0,
     ) -> int:
         """Prefill tokens that would be served before a new request of ``tenant_id`` (whose own prompt has
-        ``prompt_tokens`` and whose share weight is ``weight``) gets its first token."""
+        ``prompt_tokens`` and whose share weight is ``weight``) gets its first token, if it waits
+        ``horizon_s`` seconds: requests arriving meanwhile count where the order serves them first."""
         return sum(queued_by_tenant.values())
 
     def share_ratio(self, tenant_id: str, weight: float = 1.0) -> float:
@@ -104,6 +111,7 @@ class FairSharePolicy(Policy):
         self.max_idle_tenants = max_idle_tenants
         self.clock = clock
         self._recent: dict[str, tuple[float, float]] = {}  # tenant -> (decayed cost served, as of when)
+        self._arrived: dict[str, tuple[float, float]] = {}  # tenant -> (decayed prompt tokens sent, when)
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self._active: Counter[str] = Counter()  # requests in the engine per tenant
@@ -130,19 +138,29 @@ class FairSharePolicy(Policy):
         return max((s for s in candidates if s.tenant_id == tenant), key=_fcfs_key)
 
     def tokens_ahead(
-        self, queued_by_tenant: Mapping[str, int], tenant_id: str, prompt_tokens: int = 0, weight: float = 1.0
+        self,
+        queued_by_tenant: Mapping[str, int],
+        tenant_id: str,
+        prompt_tokens: int = 0,
+        weight: float = 1.0,
+        horizon_s: float = 0.0,
     ) -> int:
         """The tenant's own queued prefill, and of every other tenant's only what the fair order serves
         while the tenant's counter rises through its own queue and this prompt: another tenant gets service
-        until its counter reaches that level (prefill charged at the prefill weight, decodes ignored)."""
+        until its counter reaches that level (prefill charged at the prefill weight, decodes ignored). That
+        includes what another tenant with requests in the engine will send within ``horizon_s``, at its
+        recent arrival rate: under overload a request admitted early otherwise waits behind later arrivals
+        of tenants below it. An idle engine has nothing ahead."""
         own = queued_by_tenant.get(tenant_id, 0)
         weight = self.weights.get(tenant_id, weight) if self._active[tenant_id] else weight
         level = self._counter_on_arrival(tenant_id) + self.cost.prefill * (own + prompt_tokens) / weight
+        rates = self._arrival_rates() if horizon_s > 0 else {}
+        arriving = {t: int(rate * horizon_s) for t, rate in rates.items() if self._active[t]}  # backlogged
         ahead = own
-        for tenant, tokens in queued_by_tenant.items():
-            if tenant != tenant_id:
-                room = (level - self.counters.get(tenant, 0.0)) * self.weights.get(tenant, 1.0)
-                ahead += min(tokens, max(0, math.ceil(room / self.cost.prefill)))
+        for tenant in (set(queued_by_tenant) | set(arriving)) - {tenant_id}:
+            tokens = queued_by_tenant.get(tenant, 0) + arriving.get(tenant, 0)
+            room = (level - self._counter_on_arrival(tenant)) * self.weights.get(tenant, 1.0)
+            ahead += math.ceil(min(tokens, max(0.0, room / self.cost.prefill)))
         return ahead
 
     def share_ratio(self, tenant_id: str, weight: float = 1.0) -> float:
@@ -150,7 +168,7 @@ class FairSharePolicy(Policy):
         or were served within ``SHARE_WINDOW_S`` (itself included). Safe to call from another thread."""
         now = self.clock()
         recent = dict(self._recent)  # one atomic copy: the engine thread may be adding to it
-        served = {t: self._decayed(value, at, now) for t, (value, at) in recent.items()}
+        served = {t: _decayed(value, at, now, SHARE_HALF_LIFE_S) for t, (value, at) in recent.items()}
         total = sum(served.values())
         if total <= 0:
             return 0.0
@@ -162,6 +180,7 @@ class FairSharePolicy(Policy):
     def on_arrival(self, seq: Sequence) -> None:
         tenant = seq.tenant_id
         self._serve(tenant, 0.0)
+        _add_decayed(self._arrived, tenant, seq.num_prompt_tokens, self.clock(), ARRIVAL_HALF_LIFE_S)
         self.weights[tenant] = seq.weight
         if not self._active[tenant]:
             self.counters[tenant] = self._counter_on_arrival(tenant)
@@ -193,25 +212,39 @@ class FairSharePolicy(Policy):
             self.counters.pop(forgotten, None)
             self.weights.pop(forgotten, None)
             self._recent.pop(forgotten, None)
+            self._arrived.pop(forgotten, None)
 
     def _serve(self, tenant: str, cost: float) -> None:
         """Add ``cost`` to the tenant's recent service, and mark it as seen now."""
-        now = self.clock()
-        value, at = self._recent.get(tenant, (0.0, now))
-        self._recent[tenant] = (self._decayed(value, at, now) + cost, now)
+        _add_decayed(self._recent, tenant, cost, self.clock(), SHARE_HALF_LIFE_S)
 
-    @staticmethod
-    def _decayed(value: float, at: float, now: float) -> float:
-        return value * 0.5 ** (max(0.0, now - at) / SHARE_HALF_LIFE_S)
+    def _arrival_rates(self) -> dict[str, float]:
+        """Each tenant's recent prompt tokens sent per second (an exponentially weighted rate)."""
+        now = self.clock()
+        arrived = dict(self._arrived)  # one atomic copy: the engine thread may be adding to it
+        per_s = math.log(2) / ARRIVAL_HALF_LIFE_S  # a steady rate r decays to a sum of r / per_s
+        return {t: _decayed(v, at, now, ARRIVAL_HALF_LIFE_S) * per_s for t, (v, at) in arrived.items()}
 
     def _counter_on_arrival(self, tenant: str) -> float:
         """The tenant's counter, or if it has no request in the engine, lifted to the smallest counter of
         the tenants that have (the last served counter when none has)."""
         if self._active[tenant]:
-            return self.counters[tenant]
+            return self.counters.get(tenant, 0.0)
         others = [self.counters.get(t, 0.0) for t in list(self._active) if t != tenant]  # list: atomic copy
         floor = min(others) if others else self._last_served
         return max(self.counters.get(tenant, 0.0), floor)
+
+
+def _decayed(value: float, at: float, now: float, half_life_s: float) -> float:
+    return value * 0.5 ** (max(0.0, now - at) / half_life_s)
+
+
+def _add_decayed(
+    store: dict[str, tuple[float, float]], tenant: str, amount: float, now: float, half_life_s: float
+) -> None:
+    """Add ``amount`` to the tenant's decaying sum in ``store``, as of ``now``."""
+    value, at = store.get(tenant, (0.0, now))
+    store[tenant] = (_decayed(value, at, now, half_life_s) + amount, now)
 
 
 POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy, "fair": FairSharePolicy}

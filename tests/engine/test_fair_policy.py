@@ -91,6 +91,26 @@ def test_tokens_ahead_count_only_tenants_not_above_the_counter() -> None:
     assert policy.tokens_ahead(queued, "newcomer", prompt_tokens=100, weight=2.0) == 50
 
 
+def test_tokens_ahead_count_what_tenants_below_the_counter_will_send_meanwhile() -> None:
+    now = [0.0]
+    policy = FairSharePolicy(clock=lambda: now[0])
+    early = request("early", 0.0)
+    policy.on_arrival(early)
+    for i in range(300):  # late sends 300 prompts of 50 tokens over 30 s: 500 tokens/s
+        now[0] = i / 10
+        policy.on_arrival(request("late", now[0], prompt=50))
+        if i == 0:
+            policy.on_tokens(early, 1000, 0)  # early's counter: 1000, late's: 0
+    queued = {"late": 200}
+    assert policy.tokens_ahead(queued, "early") == 200  # what is queued now
+    within_1s = policy.tokens_ahead(queued, "early", horizon_s=1.0)
+    assert 200 + 450 < within_1s < 200 + 550  # and what late sends within a second, below early's counter
+    assert policy.tokens_ahead(queued, "early", horizon_s=60.0) == 1000  # never past early's level
+    assert policy.tokens_ahead(queued, "late", horizon_s=60.0) == 200  # early is above late: not ahead
+    now[0] += 100  # late stopped sending long ago: its rate has decayed away
+    assert policy.tokens_ahead(queued, "early", horizon_s=1.0) == 200
+
+
 def test_recomputed_prefill_after_preemption_is_not_charged() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4, prefix_caching=False)
     policy = FairSharePolicy(CostWeights(prefill=1, cached=0.1, decode=2))
