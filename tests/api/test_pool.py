@@ -1,7 +1,8 @@
 """A pool of two real ``weir engine`` processes behind one ``weir serve``: requests spread across both, a
-closed stream frees its blocks, fair shares hold across the pool in front of first-come-first-served
-engines, and when one engine is killed mid-load the requests it had not started move to the other, the
-started streams end with an error event and are billed for what was sent, and the pool serves on."""
+prompt prefix goes back to the engine holding its blocks, a closed stream frees its blocks, fair shares
+hold across the pool in front of first-come-first-served engines, and when one engine is killed mid-load
+the requests it had not started move to the other, the started streams end with an error event and are
+billed for what was sent, and the pool serves on."""
 
 from __future__ import annotations
 
@@ -101,6 +102,45 @@ async def test_a_closed_stream_aborts_its_sequence_in_the_engine(
     (row,) = gateway.wait_usage(tenant_id, 1)
     assert row["status"] == "cancelled" and 2 <= row["output_tokens"] < 1000
     wait_until(lambda: _all_idle(engines), what="the engines to free the closed stream's blocks")
+
+
+async def test_a_prompt_prefix_goes_back_to_the_engine_holding_its_blocks(
+    gateway: ApiServer, engines: list[EngineServer]
+) -> None:
+    """Idle engines tie on outstanding cost, and a tie goes to the first: a prefix homed on the second by
+    an earlier request must go back there, where its blocks are, for its prompt to be served from cache."""
+    model = _model(gateway)
+    _, client = _tenant(gateway, ttft_target_s=PATIENT_S)
+    first, second = engines
+    shared = _prompt(4242, 64)  # four full blocks
+    busy = await client.completions.create(
+        model=model, prompt=_prompt(4243, 16), max_tokens=1000, temperature=0, stream=True
+    )
+    async for chunk in busy:
+        if chunk.choices and chunk.choices[0].text:
+            break
+    assert first.stats()["running"] == 1  # the tie went to the first engine, which is now busy
+    steps = second.stats()["steps"]
+    homed = await client.completions.create(
+        model=model, prompt=shared + _prompt(1, 8), max_tokens=2, temperature=0
+    )
+    assert homed.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.stats()["steps"] > steps  # the least loaded engine took the prefix
+    await busy.close()
+    wait_until(lambda: _all_idle(engines), what="both engines idle")
+
+    before = [engine.stats()["steps"] for engine in engines]
+    again = await client.completions.create(
+        model=model, prompt=shared + _prompt(2, 8), max_tokens=2, temperature=0
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens == len(shared)
+    assert first.stats()["steps"] == before[0]
+    novel = await client.completions.create(
+        model=model, prompt=_prompt(4244, 72), max_tokens=2, temperature=0
+    )
+    assert novel.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.stats()["steps"] > before[0]  # a prompt with no home goes to the first of the idle
+    wait_until(lambda: _all_idle(engines), what="both engines idle")
 
 
 async def test_fair_shares_hold_across_the_pool(gateway: ApiServer, engines: list[EngineServer]) -> None:
