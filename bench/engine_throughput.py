@@ -34,8 +34,10 @@ from bench.workload import (
     SystemResult,
     WorkloadSpec,
     check_lengths,
+    derived_seed,
     make_workload,
     ordinary_token_ids,
+    redraw_prompts,
 )
 from engine.types import SamplingParams
 
@@ -90,8 +92,9 @@ def run(args: argparse.Namespace) -> dict:
             **result.extra,
         }
         if args.profile and name == "weir":
-            progress("weir: running the workload again under the torch profiler")
-            systems[name]["profile"] = profile_run(partial(runner, workload))
+            progress("weir: running the workload again, with fresh prompts, under the torch profiler")
+            fresh = redraw_prompts(workload, token_ids, derived_seed(args.seed, 1))  # no prefix-cache hit
+            systems[name]["profile"] = profile_run(partial(runner, fresh))
         del runner
     progress("measuring the matmul rate again, and the memory bandwidth")
     matmul_flops = max(matmul_before, measure_matmul_flops(device, dtype=dtype))  # the higher ceiling
