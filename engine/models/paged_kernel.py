@@ -36,6 +36,12 @@ def kernel_available() -> bool:
         return _load()
 
 
+def matrix_path() -> bool:
+    """Whether bf16 prefill chunks take the kernel's matrix path now (bf16 matrix or dot instructions on this
+    CPU, oneDNN enabled in torch); False where the kernel is not available."""
+    return kernel_available() and bool(torch.ops.weir.paged_attention_matrix_path())
+
+
 @functools.cache
 def _load() -> bool:
     return load_extension(

@@ -59,8 +59,10 @@ def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path) -> None:
-    """Same tokens as transformers in bf16, except where transformers' own top two logits are within two
-    bf16 roundings of each other (there the order of roundings decides, and no kernel order is canonical)."""
+    """Same tokens as transformers in bf16, except at near-ties: where the two tokens' logits are within two
+    bf16 roundings of each other in transformers' own full forward in bf16 or in fp32 (there the order of
+    roundings decides, and no kernel order is canonical: on a CPU with AMX, transformers' cached generate
+    and its own full forward can order a near-tie apart)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = Tokenizer(smollm2_dir)
@@ -68,15 +70,19 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path
     expected = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype="bfloat16")
     got = run_greedy(smollm2_dir, prompts, NEW_TOKENS, {"dtype": "bfloat16"})
     assert sum(e == g for e, g in zip(expected, got, strict=True)) >= len(prompts) - 1
-    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    references = [
+        AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
+        for dtype in (torch.bfloat16, torch.float32)
+    ]
     for prompt, want, have in zip(prompts, expected, got, strict=True):
         if want == have:
             continue
         at = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
-        logits = _hf_logits(reference, prompt + want[:at])
-        gap = float(logits[want[at]] - logits[have[at]])
-        # either sign: transformers' cached generate and its own full forward can order a near-tie apart
-        assert abs(gap) <= 2 * 2**-8 * float(logits[want[at]].abs()), (at, gap)
+        gaps = []
+        for reference in references:
+            logits = _hf_logits(reference, prompt + want[:at])
+            gaps.append(abs(float(logits[want[at]] - logits[have[at]])) / float(logits[want[at]].abs()))
+        assert min(gaps) <= 2 * 2**-8, (at, gaps)
 
 
 def test_a_step_that_needs_no_logits_runs_padded(tiny_model_dir: Path) -> None:

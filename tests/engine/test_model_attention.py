@@ -12,6 +12,7 @@ import torch
 
 from engine.batch import StepBatch
 from engine.models import paged_kernel
+from engine.models.extension import cpu_flags
 from engine.models.attention import (
     AttentionPlan,
     GatherBuffers,
@@ -138,6 +139,24 @@ def test_kernel_matches_the_reference_path(
         torch.testing.assert_close(kernel, reference, rtol=1e-5, atol=1e-5)
     else:  # the same roundings but not the same order of sums: at most a bf16 step apart
         torch.testing.assert_close(kernel.float(), reference.float(), rtol=1.6e-2, atol=1e-2)
+
+
+# chunks past the kernel's 512-key softmax step and its 64-query matrix tile, with decodes beside them
+LONG = [(1, 700), (1, 1030), (70, 1100), (130, 130), (9, 600)]
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_bf16_matrix_and_vector_paths_match_the_reference(onednn: bool) -> None:
+    """bf16 steps take the matrix path where the CPU has bf16 matrix or dot instructions and oneDNN is on,
+    else the vector path; either gives the reference's result on long, multi-chunk contexts."""
+    step = random_step(LONG, block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=7)
+    reference = step.run("reference")
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        kernel = step.run("kernel")
+        matrix = paged_kernel.matrix_path()
+    bf16_units = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    assert matrix == (onednn and bf16_units)
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(1, 64)] * 5, [(16, 16)], [(17, 80)], [(1, 9), (3, 3)]])

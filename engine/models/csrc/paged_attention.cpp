@@ -12,37 +12,59 @@
 // A query at position p reads keys 0..p only. The chunk length and the rounding of the weights to the
 // cache's dtype are those of torch's CPU SDPA, so bf16 results round as the reference path's do.
 //
-// Scores are computed one of two ways. An item with few query rows (a decode: one row per query head of
-// the group) takes the dot product of each row with each key. An item with many rows (a prefill chunk)
-// holds its queries transposed, [head_dim][rows], and scores kLanes rows at once for each key, so every
-// multiply-add fills a vector. The code uses GCC/Clang vector types; head_dim is a compile-time constant
-// so that a row of the accumulator stays in registers.
+// An item takes one of three paths. An item with few query rows (a decode: one row per query head of the
+// group) scores a tile of kLanes keys per row as kLanes dot products folded into one vector, and runs the
+// softmax along the keys of each row; it prefetches the next tile's rows, since a decode's KV comes from
+// memory. An item with many rows (a prefill chunk) holds its queries transposed, [head_dim][rows], and
+// scores kLanes rows at once for each key, so every multiply-add fills a vector; its softmax state goes
+// lane by lane. The code uses GCC/Clang vector types; head_dim is a compile-time constant so that a row of
+// the accumulator stays in registers.
+//
+// On a CPU with bf16 matrix or dot-product instructions (AMX, AVX512-BF16), a bf16 item with many rows takes
+// the matrix path instead, when oneDNN's small-matrix kernel (torch's `cpublas::brgemm`) answers a probe
+// exactly: the item's rows times a block of kBlock keys is one bf16 matrix multiply with fp32 sums, and so
+// is the block's weights times its values. Each block of keys and values is first copied from its slots
+// into the pair-interleaved (VNNI) layout that kernel reads; the scores go through the decode path's
+// softmax, row by row, with the same rounding of the weights to bf16. Its items hold kMatrixQueryTile
+// queries, to spread each block's copy over more rows.
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#if defined(__AMX_BF16__) || defined(__AVX512BF16__)
+#define WEIR_MATRIX_PATH 1
+#endif
+
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries per work item of a prefill chunk
+constexpr int64_t kMatrixQueryTile = 64;  // the same on the matrix path, whose block copies it amortises
 constexpr int64_t kLanes = 16;  // keys per tile, and query rows scored together
 constexpr int64_t kManyRows = 8;  // from this many query rows, an item scores kLanes rows at once
 constexpr int64_t kChunk = 512;  // keys per softmax step, as in torch's CPU flash attention (kvSplitSize)
+constexpr int64_t kBlock = 64;  // keys per matrix multiply on the matrix path (kChunk is a multiple)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IntVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
 using Half = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 using Quarter = float __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+using Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using HalfBits = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+constexpr IntVec kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 inline Vec load(const float* src) {
   Vec v;
@@ -101,13 +123,6 @@ inline const float* row_as_float(const at::BFloat16* src, float* scratch) {
   return scratch;
 }
 
-template <int64_t kDim>
-inline float dot(const float* a, const float* b) {
-  Vec sum = load(a) * load(b);
-  for (int64_t c = kLanes; c < kDim; c += kLanes) sum += load(a + c) * load(b + c);
-  return horizontal_sum(sum);
-}
-
 // acc = acc * rescale + the sum over the tile's keys j of weights[j * stride] * values[j].
 template <int64_t kDim>
 inline void accumulate(float* acc, float rescale, const float* weights, int64_t stride, const float* const* values) {
@@ -149,6 +164,67 @@ struct Problem {
 struct Scratch {
   std::vector<float> floats;
   std::vector<int32_t> positions;
+  std::vector<uint16_t> halves;  // bf16 operands of the matrix path, as their bits
+};
+
+// An item's place in the problem: its query rows (row r is query r / group of the item, head
+// kv_head * group + r % group) and where each of its keys lives in the caches.
+template <typename scalar_t, int64_t kDim>
+struct ItemView {
+  const Problem& p;
+  const WorkItem& item;
+  int64_t count;  // query rows
+  int64_t first_row;  // the item's first query token in the flat batch
+  int64_t first_pos;  // position of the item's first query
+  int64_t num_keys;  // keys 0 .. num_keys - 1 are read
+  const int32_t* table;
+
+  ItemView(const Problem& problem, const WorkItem& work)
+      : p(problem), item(work), count(work.num_queries * problem.group) {
+    const int32_t* seq = p.seqs + 3 * item.seq;
+    first_row = seq[0] + item.first_query;
+    first_pos = seq[2] - seq[1] + item.first_query;
+    num_keys = first_pos + item.num_queries;
+    table = p.block_tables + item.seq * p.table_stride;
+  }
+
+  int64_t head(int64_t row) const { return item.kv_head * p.group + row % p.group; }
+  int64_t position(int64_t row) const { return first_pos + row / p.group; }
+
+  const scalar_t* query(int64_t row) const {
+    return static_cast<const scalar_t*>(p.q) + (first_row + row / p.group) * p.q_token_stride +
+           head(row) * p.q_head_stride;
+  }
+
+  // The cache row of key position `pos`, or nullptr past the last key.
+  const scalar_t* key_row(const void* cache, int64_t pos) const {
+    if (pos >= num_keys) return nullptr;
+    const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
+    return static_cast<const scalar_t*>(cache) + slot * p.kv_heads * kDim + item.kv_head * kDim;
+  }
+
+  // Pointers to `kLanes` keys from `start` of one cache as fp32 rows (bf16 widened into `widened`
+  // [kLanes][kDim]); keys past the last point at `zero_row`.
+  void load_tile(const void* cache, int64_t start, const float** tile, float* widened, const float* zero_row) const {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const scalar_t* row = key_row(cache, start + j);
+      tile[j] = row == nullptr ? zero_row : row_as_float<kDim>(row, widened + j * kDim);
+      if (const scalar_t* next = key_row(cache, start + kLanes + j)) {
+        for (int64_t d = 0; d < kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
+      }
+    }
+  }
+
+  // out[row] = acc[row] / sum[row], in the output's dtype.
+  void write(const float* acc, const float* sum) const {
+    auto* out = static_cast<scalar_t*>(p.out);
+    const int64_t out_stride = p.kv_heads * p.group * kDim;
+    for (int64_t row = 0; row < count; ++row) {
+      const float inverse = 1.0f / sum[row];
+      scalar_t* dst = out + (first_row + row / p.group) * out_stride + head(row) * kDim;
+      for (int64_t d = 0; d < kDim; ++d) store(acc[row * kDim + d] * inverse, dst + d);
+    }
+  }
 };
 
 // Weights as the attention of torch's CPU SDPA uses them: rounded to the cache's dtype before they multiply
@@ -156,16 +232,129 @@ struct Scratch {
 inline Vec round_weights(Vec weights, float) { return weights; }
 
 inline Vec round_weights(Vec weights, at::BFloat16) {
-  using Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   const Bits bits = std::bit_cast<Bits>(weights);
   return std::bit_cast<Vec>((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);  // to nearest even
 }
 
-// An item's query rows: padded to whole vectors of kLanes rows, whose state goes lane by lane.
+// One row's online-softmax step over a chunk's `length` keys (a multiple of kLanes), from their unscaled
+// scores: keys after `last` (the row's own position, counted from the chunk's start) are masked. Updates the
+// row's max and sum, hands each vector of weights, rounded as round_weights does, to `put(j, weights)`, and
+// returns the factor on the row's earlier accumulator.
+template <typename scalar_t, typename Put>
+inline float softmax_row(float* scores, int64_t length, int64_t last, float scale, float& row_max, float& row_sum,
+                         Put put) {
+  Vec top = Vec{} + row_max;
+  for (int64_t j = 0; j < length; j += kLanes) {
+    const Vec masked = kLaneIndex + static_cast<int32_t>(j) <= static_cast<int32_t>(last)
+                           ? load(scores + j) * scale
+                           : Vec{} + kNegInf;
+    store(scores + j, masked);
+    top = max(top, masked);
+  }
+  float new_max = top[0];
+  for (int64_t lane = 1; lane < kLanes; ++lane) new_max = std::max(new_max, top[lane]);
+  Vec chunk_sum = {};
+  for (int64_t j = 0; j < length; j += kLanes) {
+    const Vec weight = exp_nonpositive(load(scores + j) - new_max);
+    chunk_sum += weight;
+    put(j, round_weights(weight, scalar_t{}));
+  }
+  const float rescale = row_max == kNegInf ? 0.0f : std::exp(row_max - new_max);
+  row_sum = row_sum * rescale + horizontal_sum(chunk_sum);
+  row_max = new_max;
+  return rescale;
+}
+
+// Two vectors, each holding the partial sums of g keys (16 / g lanes per key, key by key), folded into one
+// holding the partial sums of their 2g keys, half as many per key: kHalf = 8 / g.
+template <int kHalf>
+inline Vec fold(Vec a, Vec b) {
+  if constexpr (kHalf == 8) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else if constexpr (kHalf == 4) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  } else if constexpr (kHalf == 2) {
+    return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  } else {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+}
+
+// The dot products of one query row with a tile of kLanes keys, lane j holding key j's.
+template <int64_t kDim>
+inline Vec dot_tile(const float* query, const float* const* keys) {
+  Vec parts[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    parts[j] = load(query) * load(keys[j]);
+    for (int64_t c = kLanes; c < kDim; c += kLanes) parts[j] += load(query + c) * load(keys[j] + c);
+  }
+  Vec eighths[8], quarters[4], halves[2];
+  for (int64_t k = 0; k < 8; ++k) eighths[k] = fold<8>(parts[2 * k], parts[2 * k + 1]);
+  for (int64_t k = 0; k < 4; ++k) quarters[k] = fold<4>(eighths[2 * k], eighths[2 * k + 1]);
+  for (int64_t k = 0; k < 2; ++k) halves[k] = fold<2>(quarters[2 * k], quarters[2 * k + 1]);
+  return fold<1>(halves[0], halves[1]);
+}
+
+// An item with few query rows (a decode: one row per query head of the group). Per tile of keys, each row's
+// scores are its dot products with them, folded into one vector; the chunk's softmax then runs along the
+// keys of each row, and the weights multiply the values into each row's accumulator.
+template <typename scalar_t, int64_t kDim>
+void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  const ItemView<scalar_t, kDim> view(p, item);
+  const int64_t count = view.count;
+  // zeroed: acc, sum and a zero row; then queries, max, scores and the widened rows of a tile
+  const int64_t zeroed = count * kDim + count + kDim;
+  scratch.floats.resize(zeroed + count * kDim + count + count * kChunk + kLanes * kDim);
+  std::fill(scratch.floats.begin(), scratch.floats.begin() + zeroed, 0.0f);
+  float* acc = scratch.floats.data();
+  float* row_sum = acc + count * kDim;
+  const float* zero_row = row_sum + count;
+  float* queries = row_sum + count + kDim;
+  float* row_max = queries + count * kDim;
+  float* scores = row_max + count;  // [count][kChunk]
+  float* widened = scores + count * kChunk;
+  std::fill(row_max, row_max + count, kNegInf);
+  for (int64_t row = 0; row < count; ++row) {
+    const scalar_t* src = view.query(row);
+    for (int64_t d = 0; d < kDim; ++d) queries[row * kDim + d] = to_float(src[d]);
+  }
+
+  const float* tile[kLanes];
+  for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
+    const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+    for (int64_t offset = 0; offset < length; offset += kLanes) {
+      view.load_tile(p.key_cache, chunk + offset, tile, widened, zero_row);
+      for (int64_t row = 0; row < count; ++row) {
+        store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, tile));
+      }
+    }
+    float rescale[kManyRows];
+    for (int64_t row = 0; row < count; ++row) {
+      float* row_scores = scores + row * kChunk;
+      rescale[row] = softmax_row<scalar_t>(row_scores, length, view.position(row) - chunk, p.scale, row_max[row],
+                                           row_sum[row], [&](int64_t j, Vec w) { store(row_scores + j, w); });
+    }
+    for (int64_t offset = 0; offset < length; offset += kLanes) {
+      view.load_tile(p.value_cache, chunk + offset, tile, widened, zero_row);
+      for (int64_t row = 0; row < count; ++row) {
+        const float factor = offset == 0 ? rescale[row] : 1.0f;
+        accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, tile);
+      }
+    }
+  }
+  view.write(acc, row_sum);
+}
+
+// An item's many query rows (a prefill chunk's), padded to whole vectors of kLanes rows whose softmax state
+// goes lane by lane.
 struct Rows {
   int64_t count;
   int64_t padded;
-  float* queries;  // [count][kDim], or [kDim][padded] when scored by lanes
+  float* queries;  // [kDim][padded]
   float* acc;  // [count][kDim]
   float* max;  // [padded]
   float* sum;  // [padded]
@@ -174,18 +363,8 @@ struct Rows {
   const int32_t* positions;  // [padded], each row's query position (padding: the largest int)
 };
 
-// Scores of a few rows (a decode's) for a tile of keys: dot products.
-template <int64_t kDim>
-inline void score_rows(const Rows& rows, const float* const* keys, float scale, float* scores) {
-  for (int64_t j = 0; j < kLanes; ++j) {
-    alignas(64) float lanes[kLanes] = {};
-    for (int64_t row = 0; row < rows.count; ++row) lanes[row] = dot<kDim>(rows.queries + row * kDim, keys[j]);
-    store(scores + j * rows.padded, load(lanes) * scale);
-  }
-}
-
-// Scores of many rows (a prefill chunk's) for a tile of keys, kLanes rows at a time: each query column
-// times a key's element fills a vector.
+// Scores of many rows for a tile of keys, kLanes rows at a time: each query column times a key's element
+// fills a vector.
 template <int64_t kDim>
 inline void score_lanes(const Rows& rows, const float* const* keys, float scale, float* scores) {
   constexpr int64_t kKeysAtOnce = 8;  // independent sums in flight
@@ -230,14 +409,14 @@ inline void softmax_chunk(Rows& rows, int64_t start, int64_t length) {
   }
 }
 
+// An item with many query rows on the vector path: queries held transposed, kLanes rows scored at once.
 template <typename scalar_t, int64_t kDim>
-void attend_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
-  const int64_t group = p.group, block_size = p.block_size;
-  const int64_t count = item.num_queries * group;
+void attend_item_lanes(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  const ItemView<scalar_t, kDim> view(p, item);
+  const int64_t count = view.count;
   const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
-  const bool lanes = count >= kManyRows;
   // zeroed: queries (padding rows included), acc, sum, a zero row for keys past the end; then max,
-  // rescale, scores and the widened bf16 rows of a tile, all written before they are read
+  // rescale, scores and the widened rows of a tile, all written before they are read
   const int64_t zeroed = 2 * padded * kDim + padded + kDim;
   scratch.floats.resize(zeroed + 2 * padded + kChunk * padded + kLanes * kDim);
   std::fill(scratch.floats.begin(), scratch.floats.begin() + zeroed, 0.0f);
@@ -252,85 +431,183 @@ void attend_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
   rows.positions = scratch.positions.data();
   float* widened = rows.scores + kChunk * padded;
   std::fill(rows.max, rows.max + padded, kNegInf);
-
-  const int32_t* seq = p.seqs + 3 * item.seq;
-  const int64_t first_row = seq[0] + item.first_query;
-  const int64_t first_pos = seq[2] - seq[1] + item.first_query;  // position of the item's first query
-  const auto* q = static_cast<const scalar_t*>(p.q);
   for (int64_t row = 0; row < count; ++row) {
-    const int64_t query = row / group, head = item.kv_head * group + row % group;
-    const scalar_t* src = q + (first_row + query) * p.q_token_stride + head * p.q_head_stride;
-    scratch.positions[row] = static_cast<int32_t>(first_pos + query);
-    for (int64_t d = 0; d < kDim; ++d) rows.queries[lanes ? d * padded + row : row * kDim + d] = to_float(src[d]);
+    const scalar_t* src = view.query(row);
+    scratch.positions[row] = static_cast<int32_t>(view.position(row));
+    for (int64_t d = 0; d < kDim; ++d) rows.queries[d * padded + row] = to_float(src[d]);
   }
 
-  const int64_t row_stride = p.kv_heads * kDim;  // between consecutive slots of one KV head
-  const int32_t* table = p.block_tables + item.seq * p.table_stride;
-  const int64_t num_keys = first_pos + item.num_queries;
-  // the tile's rows of one cache, as fp32 (keys past the last query are masked out and read as zeros)
   const float* tile[kLanes];
-  auto load_tile = [&](const scalar_t* cache, int64_t start) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const int64_t pos = start + j;
-      if (pos >= num_keys) {
-        tile[j] = zero_row;
-        continue;
-      }
-      const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-      tile[j] = row_as_float<kDim>(cache + slot * row_stride + item.kv_head * kDim, widened + j * kDim);
-    }
-  };
-  for (int64_t chunk = 0; chunk < num_keys; chunk += kChunk) {
-    const int64_t length = (std::min(kChunk, num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+  for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
+    const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      load_tile(static_cast<const scalar_t*>(p.key_cache), chunk + offset);
-      float* scores = rows.scores + offset * padded;
-      lanes ? score_lanes<kDim>(rows, tile, p.scale, scores) : score_rows<kDim>(rows, tile, p.scale, scores);
+      view.load_tile(p.key_cache, chunk + offset, tile, widened, zero_row);
+      score_lanes<kDim>(rows, tile, p.scale, rows.scores + offset * padded);
     }
     softmax_chunk<scalar_t>(rows, chunk, length);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      load_tile(static_cast<const scalar_t*>(p.value_cache), chunk + offset);
+      view.load_tile(p.value_cache, chunk + offset, tile, widened, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         const float rescale = offset == 0 ? rows.rescale[row] : 1.0f;
         accumulate<kDim>(rows.acc + row * kDim, rescale, rows.scores + offset * padded + row, padded, tile);
       }
     }
   }
-
-  auto* out = static_cast<scalar_t*>(p.out);
-  const int64_t out_stride = p.kv_heads * group * kDim;
-  for (int64_t row = 0; row < count; ++row) {
-    const int64_t query = row / group, head = item.kv_head * group + row % group;
-    const float inverse = 1.0f / rows.sum[row];
-    scalar_t* dst = out + (first_row + query) * out_stride + head * kDim;
-    for (int64_t d = 0; d < kDim; ++d) store(rows.acc[row * kDim + d] * inverse, dst + d);
-  }
+  view.write(rows.acc, rows.sum);
 }
 
-// The head sizes compiled (the Python side sends other sizes to the reference path).
+#ifdef WEIR_MATRIX_PATH
+// The matrix path for a bf16 item with many rows (see the top of the file). Operands, as bf16 bits: the
+// item's query rows [count][kDim]; a block's keys as the right operand of scores = queries x keys^T,
+// pair-interleaved along head_dim: [kDim / 2][kBlock][2]; the chunk's weights [count][kChunk]; a block's
+// values pair-interleaved along the keys: [kBlock / 2][kDim][2]. Positions past the last key are zeros
+// (their scores are masked, their weights zero).
+template <int64_t kDim>
+void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  using at::native::cpublas::brgemm;
+  const ItemView<uint16_t, kDim> view(p, item);
+  const int64_t count = view.count;
+  scratch.floats.resize(count * (kChunk + kDim + 2));
+  scratch.halves.resize(count * (kDim + kChunk) + kBlock * kDim);
+  float* scores = scratch.floats.data();  // [count][kChunk]
+  float* acc = scores + count * kChunk;  // [count][kDim]
+  float* row_max = acc + count * kDim;
+  float* row_sum = row_max + count;
+  uint16_t* queries = scratch.halves.data();
+  uint16_t* weights = queries + count * kDim;
+  uint16_t* packed = weights + count * kChunk;  // one block of keys, or of values
+  std::fill(acc, acc + count * kDim, 0.0f);
+  std::fill(row_max, row_max + count, kNegInf);
+  std::fill(row_sum, row_sum + count, 0.0f);
+  for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
+
+  auto pack_keys = [&](int64_t start) {
+    auto* pairs = reinterpret_cast<uint32_t*>(packed);  // [kDim / 2][kBlock]
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const uint16_t* key = view.key_row(p.key_cache, start + j);
+      for (int64_t d = 0; d < kDim / 2; ++d) {
+        uint32_t pair = 0;
+        if (key != nullptr) std::memcpy(&pair, key + 2 * d, sizeof(pair));
+        pairs[d * kBlock + j] = pair;
+      }
+    }
+  };
+  auto pack_values = [&](int64_t start) {
+    for (int64_t j = 0; j < kBlock; j += 2) {
+      const uint16_t* even = view.key_row(p.value_cache, start + j);
+      const uint16_t* odd = view.key_row(p.value_cache, start + j + 1);
+      uint16_t* dst = packed + j * kDim;  // [kDim][2] for this pair of keys
+      for (int64_t d = 0; d < kDim; ++d) {
+        dst[2 * d] = even != nullptr ? even[d] : 0;
+        dst[2 * d + 1] = odd != nullptr ? odd[d] : 0;
+      }
+    }
+  };
+  const auto* bf16_queries = reinterpret_cast<const at::BFloat16*>(queries);
+  const auto* bf16_packed = reinterpret_cast<const at::BFloat16*>(packed);
+
+  for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
+    const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kBlock - 1) / kBlock * kBlock;
+    for (int64_t offset = 0; offset < length; offset += kBlock) {
+      pack_keys(chunk + offset);
+      brgemm(count, kBlock, kDim, kDim, kBlock, kChunk, false, bf16_queries, bf16_packed, scores + offset);
+    }
+    for (int64_t row = 0; row < count; ++row) {
+      uint16_t* row_weights = weights + row * kChunk;
+      const float rescale = softmax_row<at::BFloat16>(
+          scores + row * kChunk, length, view.position(row) - chunk, p.scale, row_max[row], row_sum[row],
+          [&](int64_t j, Vec w) {
+            const HalfBits bits = __builtin_convertvector(std::bit_cast<Bits>(w) >> 16, HalfBits);
+            std::memcpy(row_weights + j, &bits, sizeof(bits));
+          });
+      for (int64_t d = 0; d < kDim; ++d) acc[row * kDim + d] *= rescale;
+    }
+    for (int64_t offset = 0; offset < length; offset += kBlock) {
+      pack_values(chunk + offset);
+      brgemm(count, kDim, kBlock, kChunk, kDim, kDim, true, reinterpret_cast<const at::BFloat16*>(weights + offset),
+             bf16_packed, acc);
+    }
+  }
+  ItemView<at::BFloat16, kDim>(p, item).write(acc, row_sum);
+}
+#endif
+
+// The path an item takes, for the head sizes compiled (the Python side sends others to the reference path).
+template <typename scalar_t, int64_t kDim>
+void attend_sized(const Problem& p, bool matrix, const WorkItem& item, Scratch& scratch) {
+  if (item.num_queries * p.group < kManyRows) return attend_item_rows<scalar_t, kDim>(p, item, scratch);
+#ifdef WEIR_MATRIX_PATH
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (matrix) return attend_item_matrix<kDim>(p, item, scratch);
+  }
+#endif
+  attend_item_lanes<scalar_t, kDim>(p, item, scratch);
+}
+
 template <typename scalar_t>
-void attend(const Problem& p, int64_t head_dim, const WorkItem& item, Scratch& scratch) {
+void attend(const Problem& p, int64_t head_dim, bool matrix, const WorkItem& item, Scratch& scratch) {
   switch (head_dim) {
     case 16:
-      return attend_item<scalar_t, 16>(p, item, scratch);
+      return attend_sized<scalar_t, 16>(p, matrix, item, scratch);
     case 32:
-      return attend_item<scalar_t, 32>(p, item, scratch);
+      return attend_sized<scalar_t, 32>(p, matrix, item, scratch);
     case 64:
-      return attend_item<scalar_t, 64>(p, item, scratch);
+      return attend_sized<scalar_t, 64>(p, matrix, item, scratch);
     case 128:
-      return attend_item<scalar_t, 128>(p, item, scratch);
+      return attend_sized<scalar_t, 128>(p, matrix, item, scratch);
     default:
       TORCH_CHECK(false, "paged_attention supports head_dim 16, 32, 64 and 128, not ", head_dim);
   }
 }
 
-std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads) {
+#ifdef WEIR_MATRIX_PATH
+// Whether oneDNN's small-matrix kernel multiplies a probe exactly (small integers are exact in bf16 and in
+// fp32 sums). Asked only while oneDNN is enabled: when it is not, torch refuses the pair-interleaved layout.
+bool brgemm_probe() {
+  constexpr int64_t kRows = 3, kDepth = 16;
+  auto b_value = [](int64_t k, int64_t n) { return static_cast<float>((k + 2 * n) % 5 - 2); };
+  std::vector<at::BFloat16> a(kRows * kDepth), b(kDepth * kBlock);
+  std::vector<float> c(kRows * kBlock, -1.0f);
+  for (int64_t i = 0; i < kRows * kDepth; ++i) a[i] = static_cast<float>(i % 7 - 3);
+  for (int64_t k = 0; k < kDepth; ++k) {
+    for (int64_t n = 0; n < kBlock; ++n) b[(k / 2) * kBlock * 2 + n * 2 + k % 2] = b_value(k, n);
+  }
+  try {
+    at::native::cpublas::brgemm(kRows, kBlock, kDepth, kDepth, kBlock, kBlock, false, a.data(), b.data(), c.data());
+    at::native::cpublas::brgemm_release();
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (int64_t m = 0; m < kRows; ++m) {
+    for (int64_t n = 0; n < kBlock; ++n) {
+      float expected = 0.0f;
+      for (int64_t k = 0; k < kDepth; ++k) expected += static_cast<float>(a[m * kDepth + k]) * b_value(k, n);
+      if (c[m * kBlock + n] != expected) return false;
+    }
+  }
+  return true;
+}
+#endif
+
+// Whether bf16 steps take the matrix path: compiled for this CPU, oneDNN enabled in torch (the switch
+// `torch.backends.mkldnn` turns), and its kernel passing the probe.
+bool matrix_path_works() {
+#ifdef WEIR_MATRIX_PATH
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool works = brgemm_probe();
+  return works;
+#else
+  return false;
+#endif
+}
+
+std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile) {
   std::vector<WorkItem> items;
   const int32_t* info = seqs.data_ptr<int32_t>();
   for (int64_t seq = 0; seq < seqs.size(0); ++seq) {
     const int64_t query_len = info[3 * seq + 1], context_len = info[3 * seq + 2];
-    for (int64_t first = 0; first < query_len; first += kQueryTile) {
-      const int64_t count = std::min(kQueryTile, query_len - first);
+    for (int64_t first = 0; first < query_len; first += query_tile) {
+      const int64_t count = std::min(query_tile, query_len - first);
       const int64_t keys = context_len - query_len + first + count;
       for (int64_t head = 0; head < kv_heads; ++head) items.push_back({seq, head, first, count, count * keys});
     }
@@ -383,20 +660,22 @@ at::Tensor paged_attention(
                         out.data_ptr(), block_tables.data_ptr<int32_t>(), block_tables.size(1),
                         seqs.data_ptr<int32_t>(), block_size, kv_heads, heads / kv_heads,
                         static_cast<float>(scale)};
-  const std::vector<WorkItem> items = plan_items(seqs, kv_heads);
-  const int64_t num_items = static_cast<int64_t>(items.size());
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
+  const bool matrix = bf16 && matrix_path_works();
+  const std::vector<WorkItem> items = plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile);
+  const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t index = next++; index < num_items; index = next++) {
       if (bf16) {
-        attend<at::BFloat16>(problem, dim, items[index], scratch);
+        attend<at::BFloat16>(problem, dim, matrix, items[index], scratch);
       } else {
-        attend<float>(problem, dim, items[index], scratch);
+        attend<float>(problem, dim, false, items[index], scratch);
       }
     }
+    if (matrix) at::native::cpublas::brgemm_release();
   });
   return out;
 }
@@ -407,6 +686,7 @@ TORCH_LIBRARY(weir, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seqs, "
       "int block_size, float scale) -> Tensor");
+  m.def("paged_attention_matrix_path() -> bool", &matrix_path_works);
 }
 
 TORCH_LIBRARY_IMPL(weir, CPU, m) { m.impl("paged_attention", &paged_attention); }
