@@ -12,13 +12,13 @@ import torch
 
 from engine.batch import StepBatch
 from engine.models import paged_kernel
-from engine.models.extension import cpu_flags
 from engine.models.attention import (
     AttentionPlan,
     GatherBuffers,
     attention_backend,
     paged_attention,
 )
+from engine.models.extension import cpu_flags
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 4
 CPU = torch.device("cpu")
