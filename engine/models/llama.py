@@ -185,7 +185,12 @@ def load_model(
     model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, choice.plan)
     dense = {role: [getattr(layer, role) for layer in model.layers] for role in ROLES}
     dense["lm_head"] = [model.lm_head]
-    packed = pack_weights(weights, device, choice.dtype, dense)
+    fp32_weights = (
+        (lambda: weights)
+        if choice.dtype == torch.float32
+        else (lambda: load_weights(model_dir, config, device, torch.float32))
+    )
+    packed = pack_weights(fp32_weights, device, choice.dtype, dense)
     if packed is not None:
         model.use_packed(packed)
     return model

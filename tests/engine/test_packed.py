@@ -22,6 +22,7 @@ from engine.models.packed import (
 )
 from engine.models.packed_weights import PACKED_ENV, ROWS, PackedWeights, packed_setting
 from engine.tokenizer import Tokenizer
+from tests.engine.test_model_interface import one_prompt
 from tests.fixtures.models import paged_greedy
 
 pytestmark = pytest.mark.skipif(not packed_kernel_available(), reason="the packed kernel does not build here")
@@ -210,3 +211,26 @@ def test_smollm2_greedy_is_the_same_packed(
     assert on == off
     assert "121 of 121 matrices lossless (Q4_1, Q8_0)" in caplog.text
     assert packed.lm_head.matrix.format == "Q8_0"
+
+
+def test_a_bf16_model_packs_from_the_fp32_values(
+    block_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bf16 model packs from the checkpoint's fp32 values (its bf16 copy has lost them): the packed
+    product is the fp32 kernel's, rounded to bf16, and a step's logits stay within bf16 rounding of the
+    dense bf16 model's."""
+    monkeypatch.setenv(PACKED_ENV, "off")
+    dense = load_model(block_model_dir, dtype="bfloat16")
+    monkeypatch.setenv(PACKED_ENV, "64")
+    with caplog.at_level(logging.INFO, logger="weir.engine"):
+        packed = load_model(block_model_dir, dtype="bfloat16")
+    assert dense.packed is None and packed.packed is not None
+    assert "9 of 9 matrices lossless" in caplog.text and "MB bfloat16" in caplog.text
+    matrix = packed.packed.layers[0].gate_up.matrix
+    x = torch.randn(3, matrix.shape[1]).to(torch.bfloat16)
+    out = matrix.linear(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, matrix.linear(x.float()).to(torch.bfloat16))
+    batch = one_prompt([5, 6, 7, 8])  # 4 rows: within the packed limit
+    logits = [m.forward(batch, m.new_kv_cache(2, 4)).float() for m in (dense, packed)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0.05, atol=0.05)
