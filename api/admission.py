@@ -193,7 +193,9 @@ class Admission:
             principal, worst_case_cost(len(prompt_ids), output.reserved, self._weights)
         )
         try:
-            self._shed(principal, len(prompt_ids))
+            # the prefill this request will compute: its prompt but what the prefix cache holds now
+            cached = self._engine.cached_prefix_tokens(prompt_ids, str(principal.tenant_id))
+            self._shed(principal, len(prompt_ids) - cached)
             rate_limit_headers = await self._store.rate_limit_headers(principal)
         except BaseException:
             self._store.release(reservation)
@@ -219,7 +221,8 @@ class Admission:
         )
 
     def _shed(self, principal: Principal, prompt_len: int) -> None:
-        """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds."""
+        """Refuse now (503) what would queue past the tenant's TTFT target or past the engine's bounds;
+        ``prompt_len`` is the prefill the request would compute."""
         stats = self._engine.stats()
         tenant = str(principal.tenant_id)
         reason = None

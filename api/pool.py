@@ -236,6 +236,10 @@ class BackendPool:
             step_seconds=sum(s.step_seconds for s in engines),
         )
 
+    def cached_prefix_tokens(self, prompt_ids: list[int], tenant_id: str = "default") -> int:
+        """0: the gateway does not see its backends' prefix caches."""
+        return 0
+
     def estimate_ttft(
         self, prompt_tokens: int, tenant_id: str = "default", weight: float = 1.0
     ) -> TTFTEstimate:

@@ -209,6 +209,11 @@ class AsyncEngine:
             queued[tenant] += tokens
         return self.core.estimate_ttft(prompt_tokens, tenant_id, weight, extra_queued=queued)
 
+    def cached_prefix_tokens(self, prompt_ids: list[int], tenant_id: str = "default") -> int:
+        """How many of a new request's prompt tokens the prefix cache would serve now (an estimate: the
+        engine thread may change the cache before the request reaches it)."""
+        return self.core.cached_prefix_tokens(prompt_ids, tenant_id)
+
     def _submit(self, command: Callable[[EngineCore], None]) -> None:
         self._commands.put(command)
         self._wakeup.set()

@@ -330,6 +330,11 @@ class EngineCore:
             return replace(stats, tokens_per_s=0.0, prompt_tokens_per_s=0.0)
         return stats
 
+    def cached_prefix_tokens(self, prompt_ids: list[int], tenant_id: str = "default") -> int:
+        """How many of a new request's prompt tokens the tenant's prefix cache would serve now (an estimate
+        when asked from another thread than the engine's)."""
+        return self.scheduler.kv.cached_prefix_tokens(prompt_ids, tenant_id)
+
     def estimate_ttft(
         self,
         prompt_tokens: int,

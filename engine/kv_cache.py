@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
@@ -89,6 +90,10 @@ class BlockAllocator:
             self._by_hash[prefix_hash] = block
             self._hash_of[block] = prefix_hash
 
+    def holds(self, prefix_hash: bytes) -> bool:
+        """Whether a block is registered under ``prefix_hash`` (no reference taken)."""
+        return prefix_hash in self._by_hash
+
     def lookup(self, prefix_hash: bytes) -> int | None:
         """Take a reference to the block registered under ``prefix_hash``, if there is one."""
         block = self._by_hash.get(prefix_hash)
@@ -159,21 +164,38 @@ class KVCacheManager:
         (its logits are needed), and a shared block is never written."""
         if not self.prefix_caching or request_id in self._tables:
             return 0
-        size = self.block_size
         table: list[int] = []
         hashes: list[bytes] = []
-        parent = salt.encode()
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
-            parent = chain_hash(parent, token_ids[start : start + size])
-            block = self.allocator.lookup(parent)
+        for prefix_hash in self._shareable_hashes(token_ids, salt):
+            block = self.allocator.lookup(prefix_hash)
             if block is None:
                 break
             table.append(block)
-            hashes.append(parent)
+            hashes.append(prefix_hash)
         if table:
             self._tables[request_id] = table
             self._hashes[request_id] = hashes
-        return len(table) * size
+        return len(table) * self.block_size
+
+    def cached_prefix_tokens(self, token_ids: list[int], salt: str) -> int:
+        """How many leading tokens of a new sequence ``share_prefix`` would give it now, taking nothing (the
+        engine thread may change the cache right after: an estimate)."""
+        if not self.prefix_caching:
+            return 0
+        held = 0
+        for prefix_hash in self._shareable_hashes(token_ids, salt):
+            if not self.allocator.holds(prefix_hash):
+                break
+            held += self.block_size
+        return held
+
+    def _shareable_hashes(self, token_ids: list[int], salt: str) -> Iterator[bytes]:
+        """The prefix hashes of ``token_ids``' full blocks, but the block of the last token (never shared)."""
+        size = self.block_size
+        parent = salt.encode()
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            parent = chain_hash(parent, token_ids[start : start + size])
+            yield parent
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int, salt: str) -> None:
         """Register the sequence's blocks that are full of computed tokens and not registered yet."""

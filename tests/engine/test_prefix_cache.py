@@ -35,6 +35,21 @@ def test_full_blocks_are_shared_by_hash_and_the_last_tokens_block_never() -> Non
     kv.free("f")
 
 
+def test_the_cache_probe_counts_what_sharing_would_give_and_takes_nothing() -> None:
+    """Admission asks how much of a prompt is cached before the request reaches the engine: the same count
+    as ``share_prefix``, per tenant, with no reference taken; 0 with caching off."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 110))
+    computed(kv, "a", tokens)
+    refs = [kv.allocator.ref_count(b) for b in kv.table("a")]
+    assert kv.cached_prefix_tokens(tokens[:8], "t") == 4  # its last token's block is never shared
+    assert kv.cached_prefix_tokens(tokens[:9] + [7, 7], "t") == 8
+    assert kv.cached_prefix_tokens(tokens, "other tenant") == 0
+    assert [kv.allocator.ref_count(b) for b in kv.table("a")] == refs
+    assert kv.cached_prefix_tokens(tokens[:9] + [7, 7], "t") == kv.share_prefix("b", tokens[:9] + [7, 7], "t")
+    assert KVCacheManager(16, 4, prefix_caching=False).cached_prefix_tokens(tokens, "t") == 0
+
+
 def test_cached_blocks_are_evicted_least_recently_used_when_memory_runs_out() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     old, recent = list(range(10, 18)), list(range(20, 28))
