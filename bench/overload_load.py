@@ -83,7 +83,8 @@ def tenant_figures(
     records: Sequence[RequestRecord], slo: Slo, seconds: float, light: bool
 ) -> dict[str, object]:
     """What one tenant got: goodput over ``seconds``, SLO attainment of its admitted requests, the share
-    refused, TTFT/TPOT percentiles (ms) of the admitted ones, refusals by status and error code."""
+    refused, TTFT/TPOT percentiles (ms) of the admitted ones, refusals by status and error code, and the
+    admitted ones that failed (transport errors, error events) by what the client saw."""
     admitted = [r for r in records if not r.refused]
     good = sum(r.meets(slo.ttft_s, slo.tpot_s) for r in admitted if r.ok)
     latency = summarize(admitted, slo.ttft_s, slo.tpot_s) if admitted else None
@@ -100,6 +101,7 @@ def tenant_figures(
         "requests": len(records),
         "admitted": len(admitted),
         "failed": sum(1 for r in admitted if not r.ok),
+        "failures": dict(Counter(r.error or f"status {r.status}" for r in admitted if not r.ok)),
         "refusals": dict(sorted(refusals.items())),
     }
 
