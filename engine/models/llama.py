@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import KVCacheTensors, StepBatch
+from engine.models import layer_ops
 from engine.models.attention import AttentionPlan, GatherBuffers, paged_attention
 from engine.models.config import ModelConfig
 from engine.models.dense import Dense, KernelPlan
@@ -65,6 +66,7 @@ class PagedLlama:
         self.rotary = Rotary(config, device, dtype)
         self.gather_buffers = GatherBuffers()
         self.packed: PackedWeights | None = None
+        self.fused = layer_ops.fused_available(dtype, device)  # bf16 norms and RoPE as single C++ calls
 
     def use_packed(self, packed: PackedWeights) -> None:
         """Let the dense layers run ``packed``'s matrices for the row counts each is chosen for."""
@@ -114,7 +116,7 @@ class PagedLlama:
                 hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
             )
         selected = hidden.index_select(0, batch.logits_indices.to(self.device))
-        normed = rms_norm(selected, self.final_norm, cfg.rms_norm_eps)
+        normed = self._norm(selected, self.final_norm)
         return self._linear(normed, self.lm_head).float()
 
     __call__ = forward
@@ -134,20 +136,28 @@ class PagedLlama:
         cfg = self.config
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        x = self._norm(hidden, layer.input_norm)
         qkv = self._linear(x, layer.qkv)
-        rotated = apply_rotary(
-            qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
-        )
-        q, k = rotated[:, :heads], rotated[:, heads:]
         v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-        key_cache.index_copy_(0, slots, k)
-        value_cache.index_copy_(0, slots, v)
+        if self.fused:
+            q, k = layer_ops.rope_and_cache(qkv, cos, sin, key_cache, value_cache, slots, heads, kv_heads)
+        else:
+            rotated = apply_rotary(
+                qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin
+            )
+            q, k = rotated[:, :heads], rotated[:, heads:]
+            key_cache.index_copy_(0, slots, k)
+            value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
         hidden.add_(self._linear(attn, layer.out))
-        x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+        x = self._norm(hidden, layer.post_norm)
         gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
         return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return layer_ops.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _linear(self, x: torch.Tensor, dense: Dense) -> torch.Tensor:
         rows = x.shape[0]

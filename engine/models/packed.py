@@ -55,13 +55,11 @@ class PackedMatrix:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` for ``x`` [..., k] by the kernel (which must be available), in ``x``'s dtype:
-        the kernel computes in fp32, so a bf16 ``x`` (and bias) is widened and the product rounded back."""
-        rows = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32:
-            rows, bias = rows.float(), None if bias is None else bias.float()
-        out = torch.ops.weir_quant.packed_linear(rows, self.q, self.d, self.m, bias)
-        return out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        """``x @ W.T + bias`` for ``x`` [..., k] (fp32 or bf16) by the kernel (which must be available), in
+        ``x``'s dtype: the kernel computes in fp32, so a bf16 ``x`` (and bias) is widened and the product
+        rounded back."""
+        out = torch.ops.weir_quant.packed_linear(x.reshape(-1, x.shape[-1]), self.q, self.d, self.m, bias)
+        return out.view(*x.shape[:-1], self.shape[0])
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix, decoded by the kernel's own code."""

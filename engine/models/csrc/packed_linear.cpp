@@ -1,4 +1,4 @@
-// y = x @ W^T + bias for fp32 activations x [rows, k] and a weight matrix W [n, k] packed in one of GGUF's
+// y = x @ W^T + bias for activations x [rows, k] and a weight matrix W [n, k] packed in one of GGUF's
 // block formats (blocks of 32 weights along k, scales in fp16):
 //
 //   Q4_1: w = d * q + m, q in 0..15, two per byte: byte i of a block holds element i (low nibble) and
@@ -7,7 +7,8 @@
 //
 // d * q is exact in fp32 (an 11-bit significand times a 4- or 8-bit integer), so decoding with one
 // fused multiply-add, d * q + m, rounds once, exactly as the fp32 product then sum that produced the
-// checkpoint's weights: a decoded block is the fp32 weight bit for bit. Accumulation is in fp32.
+// checkpoint's weights: a decoded block is the fp32 weight bit for bit. Accumulation is in fp32; bf16
+// activations (and bias) are widened to fp32 first and the product is rounded back to bf16.
 //
 // Output rows are spread over torch's threads. For each output row the kernel walks the blocks, decodes
 // each once into four 8-lane registers and multiplies it into up to kRowTile activation rows, so a decode
@@ -18,6 +19,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -174,17 +176,19 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
                          const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias_in) {
   const Packed w = check_packed(q, d, m);
   const int64_t n = q.size(0), k = w.blocks * kBlock;
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && x_in.dim() == 2 && x_in.size(1) == k,
-              "x must be a 2-D fp32 CPU tensor of ", k, " columns");
-  const at::Tensor x = x_in.contiguous();
+  const bool widened = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x_in.scalar_type() == at::kFloat || widened) && x_in.device().is_cpu() && x_in.dim() == 2 &&
+                  x_in.size(1) == k,
+              "x must be a 2-D fp32 or bf16 CPU tensor of ", k, " columns");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor bias;
   if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
+    bias = bias_in->to(at::kFloat).contiguous();
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == n, "bias must be fp32 [n]");
   }
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
+  if (rows == 0 || n == 0) return widened ? y.to(at::kBFloat16) : y;
   const float* xp = x.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -205,7 +209,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
 #endif
     }
   });
-  return y;
+  return widened ? y.to(at::kBFloat16) : y;
 }
 
 // The packed matrix as fp32 [n, k], decoded by the same code as packed_linear's.

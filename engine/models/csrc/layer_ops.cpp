@@ -1,0 +1,137 @@
+// A decoder layer's element-wise steps in bf16, fused, each rounded where Hugging Face's Llama rounds it
+// (so that they give the tokens of the unfused torch ops they replace):
+//
+//   rms_norm(x, w, eps):   out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), the mean and x in fp32.
+//   rope_and_cache(...):   from a step's fused q|k|v projection [T, (H + 2 * Hkv) * D], q and k rotated
+//                          (rotate-half layout: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), ``sin``
+//                          signed), and k and v written to the paged caches at the step's slots; returns
+//                          the rotated q [T, H, D] and k [T, Hkv, D].
+//
+// A step of a few tokens runs each op as one call instead of the ten-odd torch ops it replaces, whose
+// dispatch costs more than their arithmetic. Tokens are spread over torch's threads for large steps.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kGrainElements = 32768;  // elements per thread before a step is split
+
+int64_t grain(int64_t per_token) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_token)); }
+
+inline bf16 round_product(float a, float b) { return bf16(a * b); }
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && x_in.device().is_cpu(),
+              "x must be a 2-D bf16 CPU tensor");
+  const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  TORCH_CHECK(w_in.scalar_type() == at::kBFloat16 && w_in.numel() == cols, "weight must be bf16 [", cols, "]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* row = xp + r * cols;
+      double squares = 0.0;
+      for (int64_t i = 0; i < cols; ++i) {
+        const float v = static_cast<float>(row[i]);
+        squares += static_cast<double>(v * v);
+      }
+      const float mean = static_cast<float>(squares / static_cast<double>(cols));
+      const float inverse = 1.0f / std::sqrt(mean + epsilon);
+      bf16* dst = op + r * cols;
+      for (int64_t i = 0; i < cols; ++i) {
+        const bf16 normed = round_product(static_cast<float>(row[i]), inverse);
+        dst[i] = round_product(static_cast<float>(wp[i]), static_cast<float>(normed));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotate one head of `dim` values from `src` into `dst` with the token's cos and signed sin.
+inline void rotate(const bf16* src, const bf16* cos, const bf16* sin, int64_t dim, bf16* dst) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float swapped = static_cast<float>(src[i < half ? i + half : i - half]);
+    const float direct = static_cast<float>(round_product(static_cast<float>(src[i]), static_cast<float>(cos[i])));
+    const float crossed = static_cast<float>(round_product(swapped, static_cast<float>(sin[i])));
+    dst[i] = bf16(direct + crossed);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_and_cache(const at::Tensor& qkv_in, const at::Tensor& cos_in,
+                                                  const at::Tensor& sin_in, at::Tensor key_cache,
+                                                  at::Tensor value_cache, const at::Tensor& slots_in, int64_t heads,
+                                                  int64_t kv_heads) {
+  TORCH_CHECK(qkv_in.scalar_type() == at::kBFloat16 && qkv_in.dim() == 2 && qkv_in.device().is_cpu(),
+              "qkv must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16 &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.size(1) == kv_heads,
+              "the caches must be contiguous bf16 [slots, kv_heads, head_dim] of one shape");
+  const int64_t tokens = qkv_in.size(0), dim = key_cache.size(2), cache_slots = key_cache.size(0);
+  TORCH_CHECK(dim % 2 == 0 && qkv_in.size(1) == (heads + 2 * kv_heads) * dim, "qkv must be [T, (H + 2 Hkv) * D]");
+  const at::Tensor qkv = qkv_in.contiguous();
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
+                  cos.numel() == tokens * dim && sin.numel() == tokens * dim,
+              "cos and sin must be bf16 with head_dim values per token");
+  const at::Tensor slots = slots_in.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots must be int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache_slots, "slot ", sp[t], " is outside the cache");
+  }
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  at::Tensor k = at::empty({tokens, kv_heads, dim}, qkv.options());
+  const int64_t width = qkv.size(1);
+  const bf16* src = qkv.data_ptr<bf16>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sn = sin.data_ptr<bf16>();
+  bf16* qp = q.data_ptr<bf16>();
+  bf16* kp = k.data_ptr<bf16>();
+  bf16* kc = key_cache.data_ptr<bf16>();
+  bf16* vc = value_cache.data_ptr<bf16>();
+  at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* row = src + t * width;
+      const bf16* c = cp + t * dim;
+      const bf16* s = sn + t * dim;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, dim, qp + (t * heads + h) * dim);
+      const int64_t kv_width = kv_heads * dim;
+      bf16* k_row = kp + t * kv_width;
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, c, s, dim, k_row + h * dim);
+      std::copy(k_row, k_row + kv_width, kc + sp[t] * kv_width);
+      const bf16* v_row = row + (heads + kv_heads) * dim;
+      std::copy(v_row, v_row + kv_width, vc + sp[t] * kv_width);
+    }
+  });
+  return {q, k};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(weir_layer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slots, int heads, int kv_heads) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(weir_layer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_and_cache", &rope_and_cache);
+}

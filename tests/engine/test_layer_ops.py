@@ -1,0 +1,62 @@
+"""The fused bf16 layer ops give the bits of the torch ops they replace (the reference path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import layer_ops
+from engine.models.config import ModelConfig
+from engine.models.llama import rms_norm
+from engine.models.rope import Rotary, apply_rotary
+
+
+def test_the_ops_build_here_for_bf16_only() -> None:
+    assert layer_ops.fused_available(torch.bfloat16, torch.device("cpu"))
+    assert not layer_ops.fused_available(torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 300])
+def test_rms_norm_rounds_as_the_torch_ops(tokens: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(tokens, 576, generator=generator) * 4).bfloat16()
+    weight = torch.randn(576, generator=generator).bfloat16()
+    assert torch.equal(layer_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rope_and_cache_rotates_and_writes_as_the_torch_ops(tiny_model_dir: Path, tokens: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    config = ModelConfig.from_dir(tiny_model_dir)
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=generator).bfloat16()
+    positions = torch.randint(0, config.max_position_embeddings, (tokens,), generator=generator)
+    cos, sin = Rotary(config, "cpu", torch.bfloat16).lookup(positions)
+    keys = torch.zeros(tokens + 20, kv_heads, head_dim, dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    slots = torch.randperm(tokens + 20, generator=generator)[:tokens]
+
+    q, k = layer_ops.rope_and_cache(qkv, cos, sin, keys, values, slots, heads, kv_heads)
+
+    rotated = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin)
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
+    assert torch.equal(keys[slots], k)
+    assert torch.equal(
+        values[slots], qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    )
+    untouched = torch.ones(tokens + 20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not keys[untouched].any() and not values[untouched].any()
+
+
+def test_rope_and_cache_refuses_a_slot_outside_the_cache(tiny_model_dir: Path) -> None:
+    config = ModelConfig.from_dir(tiny_model_dir)
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    cos, sin = Rotary(config, "cpu", torch.bfloat16).lookup(torch.tensor([3]))
+    keys = torch.zeros(4, kv_heads, head_dim, dtype=torch.bfloat16)
+    qkv = torch.zeros(1, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        layer_ops.rope_and_cache(qkv, cos, sin, keys, keys.clone(), torch.tensor([4]), heads, kv_heads)
