@@ -25,6 +25,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kGrainElements = 32768;  // elements per thread before a step is split
+constexpr int kLanes = 16;  // partial sums of a norm's squares
 
 int64_t grain(int64_t per_token) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_token)); }
 
@@ -44,12 +45,21 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16* row = xp + r * cols;
-      double squares = 0.0;
-      for (int64_t i = 0; i < cols; ++i) {
-        const float v = static_cast<float>(row[i]);
-        squares += static_cast<double>(v * v);
+      float lanes[kLanes] = {};  // independent partial sums, so that the compiler vectorizes the loop
+      int64_t i = 0;
+      for (; i + kLanes <= cols; i += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          const float v = static_cast<float>(row[i + l]);
+          lanes[l] += v * v;
+        }
       }
-      const float mean = static_cast<float>(squares / static_cast<double>(cols));
+      for (; i < cols; ++i) {
+        const float v = static_cast<float>(row[i]);
+        lanes[0] += v * v;
+      }
+      float squares = 0.0f;
+      for (const float lane : lanes) squares += lane;
+      const float mean = squares / static_cast<float>(cols);
       const float inverse = 1.0f / std::sqrt(mean + epsilon);
       bf16* dst = op + r * cols;
       for (int64_t i = 0; i < cols; ++i) {
