@@ -159,7 +159,8 @@ class AsyncEngine:
         core.check_request(prompt_token_ids, params)
         slot = _OutputSlot(asyncio.get_running_loop())
         self._slots[request_id] = slot
-        self._submitted[request_id] = (tenant_id, len(prompt_token_ids))
+        uncached = len(prompt_token_ids) - core.cached_prefix_tokens(list(prompt_token_ids), tenant_id)
+        self._submitted[request_id] = (tenant_id, uncached)
         prompt = list(prompt_token_ids)
         arrival = time.monotonic()
 

@@ -170,7 +170,9 @@ class EngineCore:
         )
         if start_within_s is not None:
             seq.start_deadline = seq.arrival_time + start_within_s
-        seq.predicted_ttft = self.estimate_ttft(seq.num_prompt_tokens, tenant_id, weight).seconds
+        seq.expected_cached_tokens = self.cached_prefix_tokens(seq.prompt_token_ids, tenant_id)
+        prefill = seq.num_prompt_tokens - seq.expected_cached_tokens
+        seq.predicted_ttft = self.estimate_ttft(prefill, tenant_id, weight).seconds
         self._requests[request_id] = _Request(
             seq,
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),

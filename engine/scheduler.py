@@ -99,11 +99,15 @@ class Scheduler:
         self.policy.on_tokens(seq, 0, 1)
 
     def queued_prefill_by_tenant(self) -> dict[str, int]:
-        """Prefill tokens not yet computed, per tenant (what a new request waits behind)."""
+        """Prefill tokens not yet computed, per tenant (what a new request waits behind); of a sequence
+        not yet started, those its prefix cache did not hold when it arrived."""
         queued: dict[str, int] = defaultdict(int)
         for seq in (*self.waiting, *self.running):
-            if seq.num_uncomputed_tokens > 1:
-                queued[seq.tenant_id] += seq.num_uncomputed_tokens
+            uncomputed = seq.num_uncomputed_tokens
+            if seq.num_computed_tokens == 0:
+                uncomputed -= seq.expected_cached_tokens
+            if uncomputed > 1:
+                queued[seq.tenant_id] += uncomputed
         return dict(queued)
 
     def schedule(self) -> StepPlan:

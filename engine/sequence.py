@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_prompt_tokens_billed: int = 0  # high-water mark: recomputed prefill is never counted twice
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    expected_cached_tokens: int = 0  # prompt tokens the prefix cache held at arrival (for estimates only)
     status: SequenceStatus = SequenceStatus.WAITING
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -84,3 +84,22 @@ def test_a_shared_system_prompt_is_computed_once_and_billed_as_cached(tiny_model
     while core.has_unfinished():
         outputs = core.step()
     assert outputs[-1].cached_tokens == 0  # caches are not shared across tenants
+
+
+def test_queued_prompts_count_what_the_cache_will_not_serve(tiny_model_dir: Path) -> None:
+    """The prefill a new request waits behind counts the queued prompts less what the prefix cache held when
+    they arrived (as admission counts the new request's own): a queue of turns after a cached system prompt
+    does not make the TTFT estimate, nor the engine's own prediction, count the system prompt again."""
+    system = random_prompts((40,), seed=5)[0]
+    questions = random_prompts((6, 10), seed=6)
+    core = make_core(tiny_model_dir, block_size=4)
+    generate_offline(core, [(system + [7], GREEDY)])  # the system prompt's 10 blocks are cached now
+    cold = core.estimate_ttft(len(system) + len(questions[0])).seconds
+    for i, question in enumerate(questions):
+        core.add_request(f"q{i}", system + question, GREEDY)
+    assert core.estimate_ttft(8).queued_tokens == sum(len(q) for q in questions)
+    first = core.scheduler.waiting[0]
+    assert first.expected_cached_tokens == len(system) and first.predicted_ttft < cold
+    while core.has_unfinished():
+        core.step()
+    assert core.estimate_ttft(8).queued_tokens == 0
