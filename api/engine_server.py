@@ -14,6 +14,7 @@ import logging
 import msgspec
 
 from api import engine_wire as wire
+from api.heap import freeze_startup_heap
 from engine.client import AsyncEngine
 
 log = logging.getLogger("weir.engine")
@@ -71,6 +72,7 @@ class EngineApp:
                     log.exception("the engine did not start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                freeze_startup_heap()
                 self.ready = True
                 log.info("engine ready: model %s", self.engine.model_name)
                 await send({"type": "lifespan.startup.complete"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from api.admission import Admission
+from api.heap import freeze_startup_heap
 from api.pool import BackendPool
 from api.refusals import model_not_found, not_ready
 from api.settings import Settings
@@ -60,6 +61,7 @@ class Services:
     async def start(self) -> None:
         await self.engine.start()
         await self.store.open()
+        freeze_startup_heap()
         self.ready = True
         log.info("serving model %s", self.model.name)
 

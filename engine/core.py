@@ -33,6 +33,9 @@ RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
 TTFT_RATIO_WINDOW = 500  # recent requests behind the estimate's error figures in stats
 TENANT_RATIO_WINDOW = 32  # a tenant's recent requests behind its own estimate error
 TENANT_RATIO_MIN = 8  # requests a tenant needs before its own error is used
+# the quantile of recent estimate errors that admission corrects by: a high one, because under overload most
+# admitted requests are predicted near the target, and it is the tail of their TTFT that must meet it
+TTFT_RATIO_TAIL = 0.95
 TENANT_RATIO_TENANTS = 1000  # tenants whose error is kept (the least recently served are forgotten)
 
 
@@ -88,7 +91,7 @@ class EngineCore:
         self._step_time.calibrate(calibrate(self.runner, shapes))
         self._ttft_ratios: deque[float] = deque(maxlen=TTFT_RATIO_WINDOW)
         self._tenant_ratios: OrderedDict[str, deque[float]] = OrderedDict()
-        self._tenant_ratio_p50: dict[str, float] = {}  # other threads only ``get`` from it
+        self._tenant_ratio_tail: dict[str, float] = {}  # other threads only ``get`` from it
         self._ttft_ratio_quantiles: tuple[float | None, float | None] = (None, None)
         self._queued_prefill: dict[str, int] = {}
         self._step_limit = config.max_batched_tokens  # of a step beside the running decodes (``_refresh``)
@@ -288,15 +291,15 @@ class EngineCore:
         ratio = (seq.first_token_time - seq.arrival_time) / seq.predicted_ttft
         self._ttft_ratios.append(ratio)
         ratios = sorted(self._ttft_ratios)
-        self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _quantile(ratios, 0.9))
+        self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _quantile(ratios, TTFT_RATIO_TAIL))
         tenant = self._tenant_ratios.pop(seq.tenant_id, None) or deque(maxlen=TENANT_RATIO_WINDOW)
         tenant.append(ratio)
         self._tenant_ratios[seq.tenant_id] = tenant
         if len(tenant) >= TENANT_RATIO_MIN:
-            self._tenant_ratio_p50[seq.tenant_id] = _quantile(sorted(tenant), 0.5)
+            self._tenant_ratio_tail[seq.tenant_id] = _quantile(sorted(tenant), TTFT_RATIO_TAIL)
         while len(self._tenant_ratios) > TENANT_RATIO_TENANTS:
             forgotten, _ = self._tenant_ratios.popitem(last=False)
-            self._tenant_ratio_p50.pop(forgotten, None)
+            self._tenant_ratio_tail.pop(forgotten, None)
 
     def _refresh(self) -> None:
         self._queued_prefill = self.scheduler.queued_prefill_by_tenant()
@@ -321,7 +324,7 @@ class EngineCore:
             step_seconds=self._step_seconds,
             preemptions=self.scheduler.num_preemptions,
             ttft_estimate_ratio_p50=self._ttft_ratio_quantiles[0],
-            ttft_estimate_ratio_p90=self._ttft_ratio_quantiles[1],
+            ttft_estimate_ratio_p95=self._ttft_ratio_quantiles[1],
         )
 
     def stats(self) -> EngineStats:
@@ -362,7 +365,7 @@ class EngineCore:
             queued_tokens=ahead,
             reliable=costs.reliable,
             share_ratio=share,
-            tenant_ratio_p50=self._tenant_ratio_p50.get(tenant_id),
+            tenant_ratio_tail=self._tenant_ratio_tail.get(tenant_id),
         )
 
 

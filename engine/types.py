@@ -90,7 +90,7 @@ class EngineStats:
     preemptions: int
     # actual / predicted time to first token over recent requests (None until a request has started)
     ttft_estimate_ratio_p50: float | None = None
-    ttft_estimate_ratio_p90: float | None = None
+    ttft_estimate_ratio_p95: float | None = None
     kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free
     waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # waiting requests per tenant id
     step_seconds: float = 0.0  # time spent in steps since start (over ``steps``: the mean step time)
@@ -104,6 +104,7 @@ class TTFTEstimate:
     queued_tokens: int  # prefill tokens that would be computed before this request's own
     reliable: bool  # False while the step-time model has not seen prefill steps of several sizes
     share_ratio: float = 1.0  # the tenant's recent service over its fair share (the policy's ``share_ratio``)
-    # the tenant's own recent actual / predicted TTFT (median), once it has enough finished requests: under
-    # fair share a tenant above its share waits behind others' later arrivals, which no estimate foresees
-    tenant_ratio_p50: float | None = None
+    # a high quantile (``TTFT_RATIO_TAIL``) of the tenant's own recent actual / predicted TTFT, once it
+    # has enough finished requests: under fair share a tenant above its share waits behind others' later
+    # arrivals, which no estimate foresees
+    tenant_ratio_tail: float | None = None

@@ -168,7 +168,7 @@ def test_a_tenant_with_enough_finished_requests_has_its_own_estimate_error(tiny_
         core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=2), tenant_id="busy")
     while core.has_unfinished():
         core.step()
-    own = core.estimate_ttft(40, "busy").tenant_ratio_p50
+    own = core.estimate_ttft(40, "busy").tenant_ratio_tail
     assert own is not None and own > 0
-    assert own == core.stats().ttft_estimate_ratio_p50  # the only tenant so far: the engine's figure too
-    assert core.estimate_ttft(40, "quiet").tenant_ratio_p50 is None  # none finished: the engine's is used
+    assert own == core.stats().ttft_estimate_ratio_p95  # the only tenant so far: the engine's figure too
+    assert core.estimate_ttft(40, "quiet").tenant_ratio_tail is None  # none finished: the engine's is used
