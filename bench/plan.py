@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from bench.report import format_table, progress, publish
+from bench.step_profile import host_line
 from engine.capacity_plan import Lengths, Mix, Plan, StepProfile, Targets, make_plan
 
 
@@ -91,6 +92,10 @@ def render(result: dict) -> str:
     lines = [
         f"profile: {p['model']} ({p['dtype']}, {p['device']}, {p['threads']} threads), measured "
         f"{p['measured_at']} at load average {p['load_average'][0]}; model load {p['load_s']:.1f} s",
+        host_line(p["host"])
+        if p.get("host")
+        else "no host work in the profile (measured before it was): the plan counts the engine's steps "
+        "alone and is optimistic; measure it again with weir bench profile",
         f"mix: prompts {result['prompt_tokens']} tokens, outputs {result['output_tokens']} tokens, Poisson "
         f"arrivals at {figures['rate_rps']:g} req/s; targets TTFT p99 <= {result['ttft_ms']:g} ms, "
         f"TPOT p99 <= {result['tpot_ms']:g} ms",
@@ -129,9 +134,12 @@ def render(result: dict) -> str:
     validation = result.get("validation")
     if validation:
         lines += [
-            "validation: one replica, the overload benchmark's mix (prompts 16-64, outputs 8-16 tokens)",
+            "validation: one replica, the overload benchmark's mix (prompts 16-64, outputs 8-16 tokens); "
+            "predicted with the host work of the server and of the load generator beside it",
             format_table(
                 [
+                    "engine alone req/s",
+                    "+ server host req/s",
                     "predicted req/s",
                     "measured req/s",
                     "missed at req/s",
@@ -140,6 +148,8 @@ def render(result: dict) -> str:
                 ],
                 [
                     [
+                        validation["engine_alone_rps"],
+                        validation["server_host_rps"],
                         validation["predicted_rps"],
                         validation["measured_rps"],
                         validation["measured_missed_at_rps"],
@@ -189,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"weir plan: error: {exc}") from None
     summary = {k: data.get(k) for k in ("model", "dtype", "device", "threads", "measured_at", "load_average")}
     result = {
-        "profile": {**summary, "load_s": profile.load_s},
+        "profile": {**summary, "load_s": profile.load_s, "host": data.get("host")},
         "prompt_tokens": str(mix.prompt),
         "output_tokens": str(mix.output),
         "ttft_ms": args.ttft_ms,
@@ -206,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         from bench.plan_validation import validate
 
         result["validation"] = validate(
-            profile, model_dir, args.dtype, targets, args.validate_seconds, args.seed
+            profile, data.get("host"), model_dir, args.dtype, targets, args.validate_seconds, args.seed
         )
     return result
 

@@ -1,7 +1,10 @@
 """`weir plan --validate`: one replica's predicted capacity against the one `weir bench overload` measures.
 
 The prediction is ``engine.capacity_plan.capacity`` for the overload benchmark's mix (prompts of 16-64
-tokens, 8-16 output tokens, Poisson arrivals) and targets. The measurement starts a database with the
+tokens, 8-16 output tokens, Poisson arrivals) and targets, with the host work of the server and of the
+load generator, which runs on the same cores during the measurement (both measured by the profile). The
+engine's steps alone, and with the server's host work only (what a deployment plan counts), are reported
+beside it. The measurement starts a database with the
 benchmark's three tenants (those targets, weight 1) and one `weir serve --policy fair` of the profiled
 model, then runs ``bench.overload_load.measure_capacity`` on it: a burst gauges the throughput, then
 Poisson loads bracket the rate that keeps TTFT p99 within the target with nothing refused, to within 10 %.
@@ -13,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from bench.overload_load import SHAPE, Slo, measure_capacity
 from bench.report import progress
-from engine.capacity_plan import Lengths, Mix, StepProfile, Targets, capacity
+from engine.capacity_plan import HostCost, Lengths, Mix, StepProfile, Targets, capacity
 
 OVERLOAD_MIX = Mix(Lengths(*SHAPE.prompt_len), Lengths(*SHAPE.output_len))
 WITHIN = 0.15  # the agreement the plan is held to
@@ -51,15 +55,31 @@ def measured_capacity(model_dir: Path, dtype: str, slo: Slo, seconds: float, see
 
 
 def validate(
-    profile: StepProfile, model_dir: Path, dtype: str, targets: Targets, seconds: float, seed: int
+    profile: StepProfile,
+    host: dict | None,
+    model_dir: Path,
+    dtype: str,
+    targets: Targets,
+    seconds: float,
+    seed: int,
 ) -> dict:
-    """Predicted and measured capacity of one replica, their ratio and whether it is within ``WITHIN``."""
-    predicted = capacity(profile, OVERLOAD_MIX, targets)
+    """Predicted and measured capacity of one replica, their ratio and whether it is within ``WITHIN``;
+    ``host`` is the profile's host work (``bench.host_cost``), None when it has none."""
+    beside = profile
+    if host:
+        beside = replace(
+            profile, host=HostCost.from_json(host["server"]).plus(HostCost.from_json(host["client"]))
+        )
+    alone = capacity(replace(profile, host=None), OVERLOAD_MIX, targets)
+    served = capacity(profile, OVERLOAD_MIX, targets)
+    predicted = capacity(beside, OVERLOAD_MIX, targets)
     progress(f"predicted capacity {predicted.rate:.3f} req/s; measuring it on a weir serve")
     measured = measured_capacity(model_dir, dtype, Slo(targets.ttft_s, targets.tpot_s), seconds, seed)
     missed_above = measured["missed_at_rps"]
     ratio = predicted.rate / measured["capacity_rps"]
     return {
+        "engine_alone_rps": round(alone.rate, 4),
+        "server_host_rps": round(served.rate, 4),
         "predicted_rps": round(predicted.rate, 4),
         "predicted_ttft_p99_ms": round(predicted.ttft_p * 1e3, 1),
         "predicted_tpot_p99_ms": round(predicted.tpot_p * 1e3, 1),

@@ -10,6 +10,8 @@ KV blocks: the median of ``--repeats`` runs of each step. The model's **load tim
 Python process, from its start to an engine ready to step: imports, the weights, the dtype choice, the KV
 pool and the start-up calibration (no HTTP server, no database; `weir serve` adds their start-up). The
 attention kernel is built before (once per machine; a first start on a new machine also compiles it).
+Last, the **host work** per request and per output token, outside the engine, of a `weir serve` and of a
+load generator beside it (``bench.host_cost``; it starts a database and the server).
 
 The profile is written to the state directory (``profiles/MODEL-DTYPE.json``, where `weir plan` looks for
 it) and to ``--out``.
@@ -162,7 +164,18 @@ def render(profile: dict) -> str:
             f"{ctx['decodes']} decodes by context",
             format_table(["context tokens", "ms"], sweep),
             f"load time {profile['load_s']:.2f} s ({profile['load_measured']})",
+            *([host_line(profile["host"])] if profile.get("host") else []),
         ]
+    )
+
+
+def host_line(host: dict) -> str:
+    """The host work of the server and of the load generator, per request and per output token."""
+    server, client = host["server"], host["client"]
+    return (
+        f"host work on {server['cores']} cores: weir serve {server['request_s'] * 1e3:.2f} ms CPU a request "
+        f"+ {server['token_s'] * 1e3:.3f} ms an output token; a load generator beside it "
+        f"{client['request_s'] * 1e3:.2f} ms + {client['token_s'] * 1e3:.3f} ms"
     )
 
 
@@ -182,7 +195,10 @@ def profile_model(model_dir: Path, dtype: str, quick: bool, args: argparse.Names
         grid["decodes"] = tuple(args.decodes or grid["decodes"])
         contexts = tuple(args.contexts or contexts)
         repeats = args.repeats
+    from bench.host_cost import measure_host_cost
+
     result = measure(engine_config(model_dir, dtype), grid, contexts, repeats)
+    result["host"] = measure_host_cost(model_dir, dtype)
     cached = cached_profile_path(state_dir_from_env(), model_dir, dtype)
     write_json(cached, result)
     progress(f"wrote {cached}")

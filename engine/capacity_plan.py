@@ -14,6 +14,13 @@ the prefill beside decodes capped so the step fits the scheduler's share of the 
 (``TPOT_HEADROOM``), each step lasting what the profile says.
 KV memory is not modelled (no preemption); ``Simulation.peak_kv_tokens`` says how much the schedule held.
 
+**Host work.** The grid times the engine alone, on every core. A serving process also spends CPU outside the
+engine on each request (HTTP, auth, tokenizing, the quota reservation, settlement) and on each output
+token (its SSE event); ``HostCost`` holds those CPU seconds, measured on a real `weir serve`. At ``rate``
+requests per second the host keeps ``rate * (request_s + token_s * mean output)`` cores busy, which the
+engine's threads lose: every step is stretched by ``cores / (cores - busy)``, and no rate that would keep
+every core busy with host work alone is served.
+
 The **plan** for an offered rate: ``ceil(rate / capacity)`` replicas, plus one per failure to survive
 (N+1): a failed replica's replacement serves only after the model's load time, so the survivors must carry
 the whole rate meanwhile; without the spare, the rate above the survivors' capacity during that load is
@@ -29,7 +36,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.scheduler import MIN_PREFILL_TOKENS, TPOT_HEADROOM
 
@@ -73,6 +80,38 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """CPU seconds a serving process spends outside the engine, per request and per output token, on a
+    machine of ``cores`` cores that the engine's threads share."""
+
+    cores: int
+    request_s: float
+    token_s: float
+
+    @classmethod
+    def from_json(cls, data: dict) -> HostCost:
+        return cls(int(data["cores"]), float(data["request_s"]), float(data["token_s"]))
+
+    def plus(self, other: HostCost) -> HostCost:
+        """Both processes' host work on the same cores (a load generator beside the server)."""
+        return HostCost(self.cores, self.request_s + other.request_s, self.token_s + other.token_s)
+
+    def busy_cores(self, rate: float, output_tokens: float) -> float:
+        return rate * (self.request_s + self.token_s * output_tokens)
+
+    def stretch(self, rate: float, output_tokens: float) -> float:
+        """How much longer engine steps take beside the host work of ``rate`` requests per second
+        (infinite once that work alone needs every core)."""
+        spare = self.cores - self.busy_cores(rate, output_tokens)
+        return self.cores / spare if spare > 0 else math.inf
+
+    def max_rate(self, output_tokens: float) -> float:
+        """The rate whose host work alone keeps every core busy."""
+        per_request = self.request_s + self.token_s * output_tokens
+        return self.cores / per_request if per_request > 0 else math.inf
+
+
+@dataclass(frozen=True)
 class StepProfile:
     """Measured step times of one model on one machine, and how long the model takes to load."""
 
@@ -83,6 +122,7 @@ class StepProfile:
     per_context_token: float  # extra seconds per context token of a decode beyond ``context``
     limits: EngineLimits
     load_s: float
+    host: HostCost | None = None  # the serving process's own work, when the profile measured it
     _columns: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -102,9 +142,11 @@ class StepProfile:
             )
             sweep = (int(ctx["decodes"]), ctx["contexts"], ctx["seconds"])
             load_s = float(data["load_s"])
+            host = HostCost.from_json(data["host"]["server"]) if data.get("host") else None
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the step profile lacks {exc}") from None
-        return cls.from_grid(rows, columns, measured, int(grid["context"]), sweep, limits, load_s)
+        profile = cls.from_grid(rows, columns, measured, int(grid["context"]), sweep, limits, load_s)
+        return replace(profile, host=host)
 
     @classmethod
     def from_grid(
@@ -302,6 +344,9 @@ def simulate(
         raise ValueError("the rate must be positive")
     pending = _arrivals(mix, rate, requests, seed)
     limits = profile.limits
+    stretch = profile.host.stretch(rate, mix.output.mean) if profile.host else 1.0
+    if math.isinf(stretch):
+        return Simulation(rate, math.inf, math.inf, 0)
     waiting: deque[_Request] = deque()
     prefilling: list[_Request] = []  # admitted, prompt not fully computed; in arrival order
     decoding: list[_Request] = []
@@ -319,7 +364,9 @@ def simulate(
         )
         budget = limits.max_batched_tokens - len(decodes)
         if decodes:
-            fits = profile.prefill_within(TPOT_HEADROOM * targets.tpot_s, len(decodes), context, budget)
+            fits = profile.prefill_within(
+                TPOT_HEADROOM * targets.tpot_s / stretch, len(decodes), context, budget
+            )
             budget = min(budget, max(MIN_PREFILL_TOKENS, fits))
         chunks: list[tuple[_Request, int]] = []
         for r in prefilling:
@@ -335,7 +382,7 @@ def simulate(
             chunks.append((r, n))
             budget -= n
         prefill = sum(n for _, n in chunks)
-        now += profile.step_seconds(prefill, len(decodes), context)
+        now += stretch * profile.step_seconds(prefill, len(decodes), context)
         kv += prefill + len(decodes)  # the KV of every computed token; a sampled token's once it decodes
         peak_kv = max(peak_kv, kv)
         sampled = list(decodes)
@@ -371,11 +418,14 @@ def capacity(
     """The highest rate whose simulation meets the targets (found by doubling, then bisection), with its
     figures; a rate of 0 when not even a lone request meets them. It is never above the rate a replica
     serves when every request arrives at once: beyond it the queue grows without bound, however loose the
-    targets (which a finite simulation would not show)."""
+    targets (which a finite simulation would not show). With host work, that rate ``r`` is the engine's
+    alone, ``r0``, slowed by the host work of ``r`` itself: ``r = r0 / (1 + r0 / host.max_rate)``."""
     alone = simulate(profile, mix, 1e-6, targets, requests=min(requests, 50), seed=seed)
     if not alone.meets(targets):
         return Simulation(0.0, alone.ttft_p, alone.tpot_p, alone.peak_kv_tokens)
-    ceiling = simulate(profile, mix, 1e12, targets, requests, seed).served_rps
+    ceiling = simulate(replace(profile, host=None), mix, 1e12, targets, requests, seed).served_rps
+    if profile.host:
+        ceiling /= 1 + ceiling / profile.host.max_rate(mix.output.mean)
     service = profile.step_seconds(int(mix.prompt.mean), 0) + mix.output.mean * profile.step_seconds(0, 1)
     low, high = None, min(1.0 / service, ceiling)
     while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,17 @@ def state_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def profile(tiny_model_dir, state_dir) -> Path:
-    """The tiny model's profile, measured once for the module (cached in ``state_dir`` too)."""
+def profile(tiny_model_dir, state_dir, pg_server_url, migrated_template) -> Path:
+    """The tiny model's profile, measured once for the module (cached in ``state_dir`` too); its host work
+    on a `weir serve` over a database of its own."""
     out = state_dir / "profile.json"
-    with pytest.MonkeyPatch.context() as patch:
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        copy_of_template(pg_server_url, migrated_template, prefix="weir_profile") as url,
+    ):
         patch.setenv("WEIR_KERNEL_DIR", str(kernel_dir()))  # the attention kernel the other tests built
         patch.setenv("WEIR_STATE_DIR", str(state_dir))
+        patch.setenv("DATABASE_URL", url)
         options = ["--model", str(tiny_model_dir), "--dtype", "float32", "--repeats", "1", "--out", str(out)]
         assert main(["bench", "profile", *options, *GRID]) == 0
     return out
@@ -47,6 +53,13 @@ def test_the_profile_holds_the_grid_the_context_sweep_and_the_load_time(profile,
     cached = state_dir / "profiles" / f"{tiny_model_dir.name}-float32.json"
     assert json.loads(cached.read_text()) == data
     assert StepProfile.from_json(data).step_seconds(16, 1) > 0
+    host = data["host"]
+    assert host["requests"] > 0
+    for part in ("server", "client"):  # every streamed request costs its server and its client some CPU
+        assert host[part]["cores"] == len(os.sched_getaffinity(0))
+        assert host[part]["request_s"] > 0 or host[part]["token_s"] > 0
+        assert host[part]["request_s"] >= 0 and host[part]["token_s"] >= 0
+    assert StepProfile.from_json(data).host.request_s == host["server"]["request_s"]
 
 
 def test_plan_prints_the_replicas_for_the_rate_and_one_more_to_survive_a_failure(profile, tmp_path, capsys):
@@ -68,6 +81,7 @@ def test_plan_prints_the_replicas_for_the_rate_and_one_more_to_survive_a_failure
     assert plan["replicas_with_spares"] == plan["replicas"] + 1
     assert plan["spare_rps"] == pytest.approx(plan["replica_capacity_rps"], rel=1e-3)
     for text in (
+        "host work on",
         "N+1 (survives 1 failure)",
         "warm spare req/s",
         "prompts 16-48 tokens",
@@ -123,4 +137,6 @@ def test_validate_measures_one_replica_on_a_weir_serve_and_compares(
         validation["predicted_rps"] / validation["measured_rps"], rel=1e-2
     )
     assert validation["measurement"]["trials"]
+    # each part of the host work counted takes capacity away
+    assert validation["engine_alone_rps"] >= validation["server_host_rps"] >= validation["predicted_rps"]
     assert "predicted / measured" in capsys.readouterr().out

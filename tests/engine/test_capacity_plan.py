@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from engine.capacity_plan import (
     EngineLimits,
+    HostCost,
     Lengths,
     Mix,
     Plan,
@@ -130,3 +134,37 @@ def test_capacity_never_exceeds_what_a_replica_serves_with_every_request_arrivin
     mix, loose = Mix(Lengths(64, 256), Lengths(8, 32)), Targets(1e6, 1e6)
     flat_out = simulate(profile, mix, 1e12, loose, requests=100).served_rps
     assert 0 < capacity(profile, mix, loose, requests=100).rate == flat_out
+
+
+def test_host_work_stretches_every_step_by_the_cores_it_leaves_the_engine():
+    host = HostCost(cores=2, request_s=0.01, token_s=0.001)
+    # 50 req/s of 10-token outputs keep 50 * 0.02 = 1 core busy: the engine has half the machine
+    assert host.busy_cores(50, 10) == pytest.approx(1.0)
+    assert host.stretch(50, 10) == pytest.approx(2.0)
+    assert host.stretch(0, 10) == 1.0
+    assert host.max_rate(10) == pytest.approx(100)
+    assert host.stretch(100, 10) == math.inf
+    both = host.plus(HostCost(cores=2, request_s=0.005, token_s=0.0))
+    assert both.request_s == pytest.approx(0.015) and both.token_s == pytest.approx(0.001)
+    alone = simulate(
+        linear_profile(), Mix(Lengths(64, 64), Lengths(10, 10)), 1e-6, Targets(5, 5), requests=20
+    )
+    busy = simulate(
+        replace(linear_profile(), host=host), Mix(Lengths(64, 64), Lengths(10, 10)), 50, Targets(5, 5), 20
+    )
+    assert busy.tpot_p >= 2 * alone.tpot_p * 0.999  # every step twice as long, and batched with others
+
+
+def test_host_work_lowers_capacity_and_caps_it_below_the_rate_the_host_alone_saturates():
+    mix, targets = Mix(Lengths(16, 64), Lengths(8, 16)), Targets(2.0, 0.2)
+    rates = [
+        capacity(replace(linear_profile(), host=HostCost(2, request_s, 0.0)), mix, targets, 200).rate
+        for request_s in (0.0, 0.01, 0.05)
+    ]
+    assert rates[0] > rates[1] > rates[2] > 0
+    loose = Targets(1e6, 1e6)
+    heavy = replace(linear_profile(), host=HostCost(2, 0.2, 0.0))  # the host alone saturates at 10 req/s
+    flat_out = simulate(linear_profile(), mix, 1e12, loose, requests=100).served_rps
+    served = capacity(heavy, mix, loose, requests=100).rate
+    assert served == pytest.approx(flat_out / (1 + flat_out / 10))
+    assert served < 10
