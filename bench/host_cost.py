@@ -19,18 +19,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.http_load import stream_completion
+from bench.http_load import stream_completion, streamed_body
 from bench.overload_load import Slo, tenant_load
 from bench.report import progress
 
 REQUESTS = 24  # per group
 LONG_OUTPUT = 48  # output tokens asked of the second group
 SEED = 7
-
-
-def machine_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
 
 
 def _fit(short: tuple[float, float], long: tuple[float, float], cores: int) -> dict:
@@ -52,14 +47,7 @@ async def _groups(process, key: str, tokenizer) -> dict[str, list[tuple[float, f
     async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
         for name, max_tokens in (("short", 1), ("long", LONG_OUTPUT)):
             for request in load:
-                body = {
-                    "model": model,
-                    "prompt": request.prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
+                body = streamed_body(model, {"prompt": request.prompt, "max_tokens": max_tokens})
                 server, here = process.main_thread_cpu_seconds(), time.process_time()
                 record = await stream_completion(client, process.v1 + "/completions", body, key)
                 if not record.ok:
@@ -95,7 +83,7 @@ def measure_host_cost(model_dir: Path, dtype: str) -> dict:
     means = {
         name: [sum(column) / len(rows) for column in zip(*rows, strict=True)] for name, rows in groups.items()
     }
-    cores = machine_cores()
+    cores = len(os.sched_getaffinity(0))  # the cores this process, and the server it started, may run on
     short, long = means["short"], means["long"]
     host = {
         "server": _fit((short[0], short[1]), (long[0], long[1]), cores),

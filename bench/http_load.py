@@ -105,6 +105,19 @@ async def stream_completion(
     return record
 
 
+def streamed_body(model: str, fields: dict, extra_body: dict | None = None) -> dict:
+    """The JSON of a greedy streamed request with ``fields`` (prompt or messages, ``max_tokens``) that ends
+    with a usage chunk; ``extra_body`` is added last."""
+    return {
+        "model": model,
+        **fields,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra_body or {}),
+    }
+
+
 def _error_code(response: httpx.Response) -> str | None:
     """The ``error.code`` of an OpenAI error envelope, if the body is one."""
     try:
@@ -164,15 +177,9 @@ async def run_load(
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
         async def send(route: str, fields: dict, api_key: str | None) -> RequestRecord:
-            body = {
-                "model": model,
-                **fields,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                **(extra_body or {}),
-            }
-            record = await stream_completion(client, base + route, body, api_key)
+            record = await stream_completion(
+                client, base + route, streamed_body(model, fields, extra_body), api_key
+            )
             ended(1)
             return record
 

@@ -66,10 +66,8 @@ def validate(
     """Predicted and measured capacity of one replica, their ratio and whether it is within ``WITHIN``;
     ``host`` is the profile's host work (``bench.host_cost``), None when it has none."""
     beside = profile
-    if host:
-        beside = replace(
-            profile, host=HostCost.from_json(host["server"]).plus(HostCost.from_json(host["client"]))
-        )
+    if profile.host and host:
+        beside = replace(profile, host=profile.host.plus(HostCost.from_json(host["client"])))
     alone = capacity(replace(profile, host=None), OVERLOAD_MIX, targets)
     served = capacity(profile, OVERLOAD_MIX, targets)
     predicted = capacity(beside, OVERLOAD_MIX, targets)

@@ -58,7 +58,8 @@ class WeirProcess:
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used, user and system, all its threads."""
-        return _cpu_seconds(Path(f"/proc/{self.process.pid}/stat"))
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
     def main_thread_cpu_seconds(self) -> float:
         """CPU time of the server's main thread alone, its event loop (not the engine's threads), to the
@@ -71,12 +72,6 @@ class WeirProcess:
         response = await client.get(f"{self.base_url}/admin/api/engine", headers=self.admin_headers)
         response.raise_for_status()
         return response.json()
-
-
-def _cpu_seconds(stat: Path) -> float:
-    """User and system CPU seconds of a ``/proc`` process or thread ``stat`` file."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def read_rss_bytes(pid: int) -> int:

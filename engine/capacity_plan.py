@@ -96,8 +96,12 @@ class HostCost:
         """Both processes' host work on the same cores (a load generator beside the server)."""
         return HostCost(self.cores, self.request_s + other.request_s, self.token_s + other.token_s)
 
+    def per_request(self, output_tokens: float) -> float:
+        """CPU seconds of one request of ``output_tokens`` output tokens."""
+        return self.request_s + self.token_s * output_tokens
+
     def busy_cores(self, rate: float, output_tokens: float) -> float:
-        return rate * (self.request_s + self.token_s * output_tokens)
+        return rate * self.per_request(output_tokens)
 
     def stretch(self, rate: float, output_tokens: float) -> float:
         """How much longer engine steps take beside the host work of ``rate`` requests per second
@@ -107,7 +111,7 @@ class HostCost:
 
     def max_rate(self, output_tokens: float) -> float:
         """The rate whose host work alone keeps every core busy."""
-        per_request = self.request_s + self.token_s * output_tokens
+        per_request = self.per_request(output_tokens)
         return self.cores / per_request if per_request > 0 else math.inf
 
 
