@@ -159,7 +159,7 @@ class Telemetry:
 
     def observe(self, stats: Callable[[], EngineStats], store: TenantStore, spill_dir: Path) -> None:
         """Start reading the engine's stats and the ledger's backlog and spill files into gauges, and
-        tracing the store's SQL statements when traces are exported."""
+        tracing the store's SQL statements (on each of its engines) when traces are exported."""
         self.metrics.observe_engine(self.meter, stats)
         self.metrics.observe_ledger(self.meter, store.ledger_backlog, spill_dir)
         if not self.trace_exporters:
@@ -167,7 +167,7 @@ class Telemetry:
         from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
 
         SQLAlchemyInstrumentor().instrument(
-            engine=store.db.sync_engine,
+            engines=[engine.sync_engine for engine in store.engines()],
             tracer_provider=self.tracer_provider,
             meter_provider=self.meter_provider,
             skip_dep_check=True,  # it names SQLAlchemy < 2.1; the engine events it uses are unchanged in 2.1

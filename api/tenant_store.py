@@ -47,6 +47,11 @@ class TenantStore:
         self._usage = UsageWriter(self.db, spill_dir=self._spill_dir)
         self._usage.start()
 
+    def engines(self) -> list[Database]:
+        """Every SQLAlchemy engine the store runs statements on: the main one and the quotas' own."""
+        assert self.db is not None and self._quotas is not None, "TenantStore.open() first"
+        return [self.db, self._quotas.engine]
+
     async def close(self) -> None:
         """Write what is pending (usage events, leases, last-used times), then close the database."""
         for name, part in (

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tenants.admin import TENANT_COLUMNS, tenant_from_row
+from tenants.background import detached
 from tenants.keys import digest_matches, hash_secret, secret_prefix, well_formed
 from tenants.models import api_keys, quotas, tenants
 from tenants.records import Quotas, Tenant
@@ -115,7 +116,7 @@ class KeyAuthenticator:
         self._used[key_id] = datetime.now(UTC)
         if now - self._last_flush >= self._last_used_interval_s and self._flush_task is None:
             self._last_flush = now
-            self._flush_task = asyncio.get_running_loop().create_task(self._flush_quietly())
+            self._flush_task = detached(self._flush_quietly(), name="weir-key-last-use")
 
     async def _flush_quietly(self) -> None:
         try:

@@ -60,6 +60,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from tenants.background import detached
 from tenants.records import NotFound
 
 log = logging.getLogger(__name__)
@@ -350,7 +351,7 @@ class QuotaManager:
         if time.monotonic() < piece.dry_until:
             return
         piece.topping_up = True
-        task = asyncio.get_running_loop().create_task(self._top_up(tenant_id, piece))
+        task = detached(self._top_up(tenant_id, piece))  # for the tenant's later requests, not this one
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -427,10 +428,14 @@ class QuotaManager:
         """Give back a reservation whose request produced nothing billable (same as settling at 0)."""
         return self.settle(reservation, 0.0)
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """The quota statements' own engine (``quota_engine``)."""
+        return self._engine
+
     def _ensure_sync_task(self) -> None:
         if self._sync_task is None or self._sync_task.done():
-            loop = asyncio.get_running_loop()
-            self._sync_task = loop.create_task(self._sync_loop(), name="weir-quota-sync")
+            self._sync_task = detached(self._sync_loop(), name="weir-quota-sync")
 
     async def _sync_loop(self) -> None:
         while True:

@@ -47,6 +47,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tenants.background import detached
 from tenants.db import state_dir
 from tenants.models import SHED_REASONS, shed_events, usage_events
 
@@ -255,7 +256,7 @@ class UsageWriter:
     def start(self) -> None:
         """Start the background writer (replaying leftover spill files first); ``submit`` starts it too."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="weir-usage-writer")
+            self._task = detached(self._run(), name="weir-usage-writer")
 
     def submit(self, event: Event) -> None:
         """Queue an event for the ledger. Never blocks; never raises because the database is away."""

@@ -146,8 +146,8 @@ def test_streamed_request_traced_with_genai_attributes(server: ApiServer, receiv
     assert {"reservation", "queue", "settlement"} <= set(children)
     queue = children["queue"]
     assert generation.start_ns <= queue.start_ns <= queue.end_ns <= generation.end_ns
-    # the tenant's first reservation leases its quota slice from PostgreSQL: traced SQL inside it
-    sql = [s for s in spans.values() if any(name.startswith("db.") for name in s.attributes)]
+    # the tenant's first reservation leases its quota slice from PostgreSQL: the statement traced inside it
+    sql = [s for s in spans.values() if "weir_quota_acquire" in str(s.attributes.get("db.statement"))]
     assert any(s.parent_id == children["reservation"].span_id for s in sql)
 
     [line] = [

@@ -4,6 +4,7 @@ reclaim, and the allowance a tenant has left."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import subprocess
 import sys
@@ -227,3 +228,30 @@ async def test_allowance_sees_another_process_at_its_next_sync(db_engine):
     assert 450 - 1e-6 <= allowance.rate.remaining <= 450 + 10 * (time.monotonic() - start) + 1e-6
     assert allowance.concurrency.remaining == 3
     await here.close()
+
+
+async def test_background_sync_runs_outside_the_request_that_started_it(db_engine):
+    """The sync task starts inside the first reservation, but its statements must not run in that caller's
+    context (a request's trace would collect every later sync's SQL)."""
+    request = contextvars.ContextVar("request", default=None)
+    seen: list[object] = []
+    synced = asyncio.Event()
+
+    def statement(conn, cursor, sql, params, context, executemany) -> None:  # noqa: PLR0913 - the event
+        if "weir_quota_return" in sql:
+            seen.append(request.get())
+            synced.set()
+
+    tenant = await create_tenant(db_engine, "ctx", quota=Quotas(cost_per_minute=600, max_concurrency=4))
+    manager = QuotaManager(db_engine, lease_s=1.0, sync_interval_s=0.05)
+    sa.event.listen(manager.engine.sync_engine, "before_cursor_execute", statement)
+    try:
+        request.set("request-1")
+        reservation = await manager.reserve(tenant.id, 10.0)
+        assert isinstance(reservation, Reservation)
+        assert manager.settle(reservation, 5.0)  # the next sync reports it
+        await asyncio.wait_for(synced.wait(), timeout=10)
+    finally:
+        sa.event.remove(manager.engine.sync_engine, "before_cursor_execute", statement)
+        await manager.close()
+    assert seen and set(seen) == {None}
