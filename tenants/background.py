@@ -1,9 +1,9 @@
 """Background tasks that belong to no request.
 
-A task copies the context it is created in. The store's long-lived work (the quota sync, the ledger
-writer, the keys' last-use flush) is started lazily, from inside whichever request first needs it; with
-a copied context its work would run forever as part of that request (a request's trace, for one, would
-collect every later sync's spans). ``detached`` starts such work in an empty context instead.
+A task copies the context it is created in. The store's background work (the quota sync, the ledger
+writer, the keys' last-use flush, slice top-ups) is started lazily, from inside whichever request first
+needs it; with a copied context its work would run as part of that request (a request's trace, for one,
+would collect every later sync's spans). ``detached`` starts such work in an empty context instead.
 """
 
 from __future__ import annotations
