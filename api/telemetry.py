@@ -45,6 +45,7 @@ SCOPE = "weir"
 DEFAULT_SERVICE_NAME = "weir"
 EXPORTERS = {"otlp", "console", "none"}
 METRICS_EXPORTERS = EXPORTERS | {"prometheus"}  # prometheus: GET /metrics, served in any case
+POOL_CHECKOUT_SPAN = "connect"  # the SQLAlchemy instrumentation's span around ``Engine.connect``
 
 
 def exporters_from_env(environ: Mapping[str, str], signal: str, allowed: set[str]) -> list[str]:
@@ -82,8 +83,9 @@ def check_environment(environ: Mapping[str, str]) -> None:
 
 class RequestsOnly(Sampler):
     """Traces start at a request: a span with no parent that is not a server span (the SQL of background
-    work: quota syncs every 50 ms while tenants spend, the ledger writer's batches) is dropped; every other
-    span is left to ``sampler`` (the one ``OTEL_TRACES_SAMPLER`` names)."""
+    work: quota syncs every 50 ms while tenants spend, the ledger writer's batches) is dropped, and so is
+    the SQLAlchemy instrumentation's ``connect`` span (a pool checkout: microseconds, and nothing its
+    statements' spans do not carry); every other span is left to ``sampler`` (``OTEL_TRACES_SAMPLER``'s)."""
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -98,6 +100,8 @@ class RequestsOnly(Sampler):
         links: Sequence[Link] | None = None,
         trace_state: TraceState | None = None,
     ) -> SamplingResult:
+        if name == POOL_CHECKOUT_SPAN and kind is SpanKind.CLIENT:
+            return SamplingResult(Decision.DROP)
         if kind is not SpanKind.SERVER and not get_current_span(parent_context).get_span_context().is_valid:
             return SamplingResult(Decision.DROP)
         sampler = self.sampler

@@ -319,7 +319,8 @@ def test_metrics_count_the_requests_sent(server: ApiServer, receiver: Receiver) 
 
 def test_every_trace_starts_at_a_request(server: ApiServer, receiver: Receiver) -> None:
     """Background work's SQL (the quota sync connects every 50 ms while tenants spend, the ledger writer)
-    starts no trace of its own: the only spans without a parent are HTTP server spans."""
+    starts no trace of its own: the only spans without a parent are HTTP server spans. Inside a request
+    SQL is traced by its statements, not by the pool checkouts around them."""
     _, key = _tenant(server)
     client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
     for _ in range(3):  # each settlement is reported by the next quota sync, outside any request
@@ -328,3 +329,6 @@ def test_every_trace_starts_at_a_request(server: ApiServer, receiver: Receiver) 
     roots = [s for s in receiver.snapshot() if not s.parent_id]
     assert roots
     assert {s.kind for s in roots} == {ProtoSpan.SPAN_KIND_SERVER}, sorted({s.name for s in roots})
+    names = {s.name for s in receiver.snapshot()}
+    assert "connect" not in names
+    assert any(s.attributes.get("db.statement") for s in receiver.snapshot()), sorted(names)
