@@ -6,13 +6,14 @@ import json
 import logging
 
 import pytest
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from api.metrics import OTHER_TENANTS, TenantLabels
 from api.request_log import JsonFormatter
-from api.telemetry import EXPORTERS, METRICS_EXPORTERS, Telemetry, exporters_from_env
+from api.telemetry import EXPORTERS, METRICS_EXPORTERS, Telemetry, exporters_from_env, uninstrumented_context
 
 
 def _exporters(environ: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -78,10 +79,12 @@ def test_traces_start_only_at_server_spans() -> None:
             assert not child.is_recording()  # the parent-based sampler follows the dropped root
     with tracer.start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER) as request:
         assert request.is_recording()
-        with tracer.start_as_current_span("connect", kind=SpanKind.CLIENT) as sql:
+        with tracer.start_as_current_span("connect", kind=SpanKind.CLIENT) as checkout:
+            assert not checkout.is_recording()  # a pool checkout: dropped even inside a request
+        with tracer.start_as_current_span("SELECT", kind=SpanKind.CLIENT) as sql:
             assert sql.is_recording()
     telemetry.shutdown()
-    assert [span.name for span in finished.get_finished_spans()] == ["connect", "POST /v1/completions"]
+    assert [span.name for span in finished.get_finished_spans()] == ["SELECT", "POST /v1/completions"]
 
 
 def test_tenants_past_the_cap_are_other() -> None:
@@ -101,3 +104,11 @@ def test_json_lines_carry_the_trace_id_inside_a_span() -> None:
         line = json.loads(formatter.format(record))
     assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
     assert (line["message"], line["level"], line["tenant"]) == ("hello x", "info", "acme")
+
+
+def test_background_context_turns_instrumentation_off() -> None:
+    """The context the store's background work runs in when SQL is traced: instrumentations stay out of
+    it, and only of it."""
+    context = uninstrumented_context()
+    assert context.run(is_instrumentation_enabled) is False
+    assert is_instrumentation_enabled()

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from tenants.admin import create_tenant
+from tenants.background import run_background_in
 from tenants.quotas import Allowance, Limit, QuotaManager, Refusal, Reservation
 from tenants.records import Quotas
 
@@ -230,23 +231,21 @@ async def test_allowance_sees_another_process_at_its_next_sync(db_engine):
     await here.close()
 
 
-async def test_background_sync_runs_outside_the_request_that_started_it(db_engine):
-    """The sync task starts inside the first reservation, but its statements must not run in that caller's
-    context (a request's trace would collect every later sync's SQL)."""
-    request = contextvars.ContextVar("request", default=None)
+async def _seen_by_sync(db_engine, name: str, var: contextvars.ContextVar) -> set[object]:
+    """``var`` as the quota sync's statements see it, after a reservation made with it set to "request"."""
     seen: list[object] = []
     synced = asyncio.Event()
 
     def statement(conn, cursor, sql, params, context, executemany) -> None:  # noqa: PLR0913 - the event
         if "weir_quota_return" in sql:
-            seen.append(request.get())
+            seen.append(var.get())
             synced.set()
 
-    tenant = await create_tenant(db_engine, "ctx", quota=Quotas(cost_per_minute=600, max_concurrency=4))
+    tenant = await create_tenant(db_engine, name, quota=Quotas(cost_per_minute=600, max_concurrency=4))
     manager = QuotaManager(db_engine, lease_s=1.0, sync_interval_s=0.05)
     sa.event.listen(manager.engine.sync_engine, "before_cursor_execute", statement)
     try:
-        request.set("request-1")
+        var.set("request")
         reservation = await manager.reserve(tenant.id, 10.0)
         assert isinstance(reservation, Reservation)
         assert manager.settle(reservation, 5.0)  # the next sync reports it
@@ -254,4 +253,25 @@ async def test_background_sync_runs_outside_the_request_that_started_it(db_engin
     finally:
         sa.event.remove(manager.engine.sync_engine, "before_cursor_execute", statement)
         await manager.close()
-    assert seen and set(seen) == {None}
+    assert seen
+    return set(seen)
+
+
+async def test_background_sync_runs_outside_the_request_that_started_it(db_engine):
+    """The sync task starts inside the first reservation, but its statements must not run in that caller's
+    context (a request's trace would collect every later sync's SQL)."""
+    request = contextvars.ContextVar("request", default=None)
+    assert await _seen_by_sync(db_engine, "ctx", request) == {None}
+
+
+async def test_background_work_runs_in_the_context_it_is_given(db_engine):
+    """``run_background_in``: the sync runs in a copy of the given context (the API's turns its SQL tracing
+    off there), neither in the request's nor in an empty one."""
+    marker = contextvars.ContextVar("marker", default=None)
+    background = contextvars.Context()
+    background.run(marker.set, "background")
+    run_background_in(background)
+    try:
+        assert await _seen_by_sync(db_engine, "ctx-given", marker) == {"background"}
+    finally:
+        run_background_in(contextvars.Context())
