@@ -20,6 +20,10 @@
 // lane by lane. The code uses GCC/Clang vector types; head_dim is a compile-time constant so that a row of
 // the accumulator stays in registers.
 //
+// On a CPU with the bf16 dot-product instruction (AVX512-BF16), a bf16 item with few rows takes the dot path
+// instead, for head sizes of whole 512-bit vectors: it reads keys and values as the cache holds them and
+// multiplies bf16 pairs into fp32 sums, where the generic path widens every row to fp32 first.
+//
 // On a CPU with bf16 matrix or dot-product instructions (AMX, AVX512-BF16), a bf16 item with many rows takes
 // the matrix path instead, when oneDNN's small-matrix kernel (torch's `cpublas::brgemm`) answers a probe
 // exactly: the item's rows times a block of kBlock keys is one bf16 matrix multiply with fp32 sums, and so
@@ -46,6 +50,10 @@
 
 #if defined(__AMX_BF16__) || defined(__AVX512BF16__)
 #define WEIR_MATRIX_PATH 1
+#endif
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#define WEIR_DOT_PATH 1
 #endif
 
 namespace {
@@ -203,15 +211,47 @@ struct ItemView {
     return static_cast<const scalar_t*>(cache) + slot * p.kv_heads * kDim + item.kv_head * kDim;
   }
 
-  // Pointers to `kLanes` keys from `start` of one cache as fp32 rows (bf16 widened into `widened`
-  // [kLanes][kDim]); keys past the last point at `zero_row`.
-  void load_tile(const void* cache, int64_t start, const float** tile, float* widened, const float* zero_row) const {
+  // A cursor over the cache rows of consecutive keys: it walks the block table (a division per key cost more
+  // than the key's scores).
+  struct Cursor {
+    int64_t pos, block, offset;
+  };
+
+  Cursor cursor(int64_t pos) const { return {pos, pos / p.block_size, pos % p.block_size}; }
+
+  // The cursor's row of the cache whose item head starts at `base` (nullptr past the last key); the cursor
+  // moves to the next key.
+  const scalar_t* next_row(const scalar_t* base, Cursor& at) const {
+    const scalar_t* row =
+        at.pos < num_keys ? base + (table[at.block] * p.block_size + at.offset) * p.kv_heads * kDim : nullptr;
+    ++at.pos;
+    if (++at.offset == p.block_size) {
+      at.offset = 0;
+      ++at.block;
+    }
+    return row;
+  }
+
+  // The cache rows of `kLanes` keys from `start` of one cache (keys past the last point at `zero_row`), with
+  // a prefetch of the next tile's rows: a decode's KV comes from memory.
+  void tile_rows(const void* cache, int64_t start, const scalar_t** tile, const scalar_t* zero_row) const {
+    const scalar_t* base = static_cast<const scalar_t*>(cache) + item.kv_head * kDim;
+    Cursor here = cursor(start), ahead = cursor(start + kLanes);
     for (int64_t j = 0; j < kLanes; ++j) {
-      const scalar_t* row = key_row(cache, start + j);
-      tile[j] = row == nullptr ? zero_row : row_as_float<kDim>(row, widened + j * kDim);
-      if (const scalar_t* next = key_row(cache, start + kLanes + j)) {
+      const scalar_t* row = next_row(base, here);
+      tile[j] = row == nullptr ? zero_row : row;
+      if (const scalar_t* next = next_row(base, ahead)) {
         for (int64_t d = 0; d < kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
       }
+    }
+  }
+
+  // The same keys as fp32 rows (bf16 widened into `widened` [kLanes][kDim]).
+  void load_tile(const void* cache, int64_t start, const float** tile, float* widened, const float* zero_row) const {
+    const scalar_t* rows[kLanes];
+    tile_rows(cache, start, rows, nullptr);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      tile[j] = rows[j] == nullptr ? zero_row : row_as_float<kDim>(rows[j], widened + j * kDim);
     }
   }
 
@@ -234,6 +274,12 @@ inline Vec round_weights(Vec weights, float) { return weights; }
 inline Vec round_weights(Vec weights, at::BFloat16) {
   const Bits bits = std::bit_cast<Bits>(weights);
   return std::bit_cast<Vec>((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);  // to nearest even
+}
+
+// Weights rounded by round_weights to bf16, stored as their bf16 bits.
+inline void store_bf16_bits(uint16_t* dst, Vec weights) {
+  const HalfBits bits = __builtin_convertvector(std::bit_cast<Bits>(weights) >> 16, HalfBits);
+  std::memcpy(dst, &bits, sizeof(bits));
 }
 
 // One row's online-softmax step over a chunk's `length` keys (a multiple of kLanes), from their unscaled
@@ -284,6 +330,15 @@ inline Vec fold(Vec a, Vec b) {
   }
 }
 
+// kLanes vectors of partial sums, one per key, folded into one vector whose lane j holds key j's sum.
+inline Vec fold_tile(const Vec* parts) {
+  Vec eighths[8], quarters[4], halves[2];
+  for (int64_t k = 0; k < 8; ++k) eighths[k] = fold<8>(parts[2 * k], parts[2 * k + 1]);
+  for (int64_t k = 0; k < 4; ++k) quarters[k] = fold<4>(eighths[2 * k], eighths[2 * k + 1]);
+  for (int64_t k = 0; k < 2; ++k) halves[k] = fold<2>(quarters[2 * k], quarters[2 * k + 1]);
+  return fold<1>(halves[0], halves[1]);
+}
+
 // The dot products of one query row with a tile of kLanes keys, lane j holding key j's.
 template <int64_t kDim>
 inline Vec dot_tile(const float* query, const float* const* keys) {
@@ -292,11 +347,7 @@ inline Vec dot_tile(const float* query, const float* const* keys) {
     parts[j] = load(query) * load(keys[j]);
     for (int64_t c = kLanes; c < kDim; c += kLanes) parts[j] += load(query + c) * load(keys[j] + c);
   }
-  Vec eighths[8], quarters[4], halves[2];
-  for (int64_t k = 0; k < 8; ++k) eighths[k] = fold<8>(parts[2 * k], parts[2 * k + 1]);
-  for (int64_t k = 0; k < 4; ++k) quarters[k] = fold<4>(eighths[2 * k], eighths[2 * k + 1]);
-  for (int64_t k = 0; k < 2; ++k) halves[k] = fold<2>(quarters[2 * k], quarters[2 * k + 1]);
-  return fold<1>(halves[0], halves[1]);
+  return fold_tile(parts);
 }
 
 // An item with few query rows (a decode: one row per query head of the group). Per tile of keys, each row's
@@ -348,6 +399,119 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
   }
   view.write(acc, row_sum);
 }
+
+#ifdef WEIR_DOT_PATH
+// A bf16 item with few query rows on a CPU with the bf16 dot-product instruction (vdpbf16ps: each fp32 lane
+// adds the two products of a pair of bf16 lanes), for head sizes of whole 512-bit vectors: keys and values
+// are read as the cache holds them, never widened. A key's score is kDim / 32 such instructions on the
+// query row, the tile's folded as on the generic path. Values: each pair of a tile's value rows is
+// interleaved once (the pairs the instruction reads; shared by the item's rows), and a row adds its pair of
+// weights, broadcast, times them. Interleaving within 128-bit lanes leaves each accumulator vector's dims in
+// a fixed order other than the natural one, which the item puts back when it writes its output.
+constexpr int64_t kDotLanes = 32;  // bf16 lanes of a 512-bit vector
+
+inline __m512bh load_bf16(const uint16_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
+
+// The dot products of one query row (kDim / 32 vectors) with a tile of kLanes keys, lane j holding key j's.
+template <int64_t kDim>
+inline Vec dot_tile_bf16(const __m512bh* query, const uint16_t* const* keys) {
+  Vec parts[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], load_bf16(keys[j]));
+    for (int64_t c = 1; c < kDim / kDotLanes; ++c) {
+      sum = _mm512_dpbf16_ps(sum, query[c], load_bf16(keys[j] + c * kDotLanes));
+    }
+    parts[j] = reinterpret_cast<Vec>(sum);
+  }
+  return fold_tile(parts);
+}
+
+// The natural dim of lane `lane` of accumulator vector `vector`: vector 2c (2c + 1) holds the low (high)
+// four dims of each 8-dim lane group of dims 32c .. 32c + 31.
+constexpr int64_t interleaved_dim(int64_t vector, int64_t lane) {
+  return (vector / 2) * kDotLanes + (lane / 4) * 8 + (vector % 2) * 4 + lane % 4;
+}
+
+template <int64_t kDim>
+void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  constexpr int64_t kVectors = kDim / kDotLanes;  // bf16 vectors in a row
+  constexpr int64_t kSums = 2 * kVectors;  // fp32 accumulator vectors in a row
+  const ItemView<uint16_t, kDim> view(p, item);
+  const int64_t count = view.count;
+  scratch.floats.resize(count * (kDim + kChunk + 2));
+  scratch.halves.resize(count * kChunk + kLanes * kDim + kDim);
+  float* acc = scratch.floats.data();  // [count][kDim], dims interleaved
+  float* scores = acc + count * kDim;  // [count][kChunk]
+  float* row_max = scores + count * kChunk;
+  float* row_sum = row_max + count;
+  uint16_t* weights = scratch.halves.data();  // [count][kChunk], bf16 bits
+  uint16_t* pairs = weights + count * kChunk;  // a tile's values: [kLanes / 2][kSums][kDotLanes]
+  uint16_t* zero_row = pairs + kLanes * kDim;
+  std::fill(acc, acc + count * kDim, 0.0f);
+  std::fill(row_max, row_max + count, kNegInf);
+  std::fill(row_sum, row_sum + count, 0.0f);
+  std::fill(zero_row, zero_row + kDim, uint16_t{0});
+  __m512bh queries[kManyRows][kVectors];
+  for (int64_t row = 0; row < count; ++row) {
+    for (int64_t c = 0; c < kVectors; ++c) queries[row][c] = load_bf16(view.query(row) + c * kDotLanes);
+  }
+
+  const uint16_t* tile[kLanes];
+  for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
+    const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+    for (int64_t offset = 0; offset < length; offset += kLanes) {
+      view.tile_rows(p.key_cache, chunk + offset, tile, zero_row);
+      for (int64_t row = 0; row < count; ++row) {
+        store(scores + row * kChunk + offset, dot_tile_bf16<kDim>(queries[row], tile));
+      }
+    }
+    float rescale[kManyRows];
+    for (int64_t row = 0; row < count; ++row) {
+      uint16_t* row_weights = weights + row * kChunk;
+      rescale[row] = softmax_row<at::BFloat16>(scores + row * kChunk, length, view.position(row) - chunk, p.scale,
+                                               row_max[row], row_sum[row],
+                                               [&](int64_t j, Vec w) { store_bf16_bits(row_weights + j, w); });
+    }
+    for (int64_t offset = 0; offset < length; offset += kLanes) {
+      view.tile_rows(p.value_cache, chunk + offset, tile, zero_row);
+      for (int64_t j = 0; j < kLanes; j += 2) {
+        uint16_t* dst = pairs + j / 2 * kSums * kDotLanes;
+        for (int64_t c = 0; c < kVectors; ++c) {
+          const __m512i even = _mm512_loadu_si512(tile[j] + c * kDotLanes);
+          const __m512i odd = _mm512_loadu_si512(tile[j + 1] + c * kDotLanes);
+          _mm512_storeu_si512(dst + 2 * c * kDotLanes, _mm512_unpacklo_epi16(even, odd));
+          _mm512_storeu_si512(dst + (2 * c + 1) * kDotLanes, _mm512_unpackhi_epi16(even, odd));
+        }
+      }
+      for (int64_t row = 0; row < count; ++row) {
+        const __m512 factor = _mm512_set1_ps(offset == 0 ? rescale[row] : 1.0f);
+        float* row_acc = acc + row * kDim;
+        __m512 sums[kSums];
+        for (int64_t v = 0; v < kSums; ++v) sums[v] = _mm512_mul_ps(_mm512_loadu_ps(row_acc + v * kLanes), factor);
+        const uint16_t* row_weights = weights + row * kChunk + offset;
+        for (int64_t j = 0; j < kLanes; j += 2) {
+          uint32_t weight_pair;
+          std::memcpy(&weight_pair, row_weights + j, sizeof(weight_pair));
+          const __m512bh broadcast = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(weight_pair)));
+          const uint16_t* src = pairs + j / 2 * kSums * kDotLanes;
+          for (int64_t v = 0; v < kSums; ++v) {
+            sums[v] = _mm512_dpbf16_ps(sums[v], broadcast, load_bf16(src + v * kDotLanes));
+          }
+        }
+        for (int64_t v = 0; v < kSums; ++v) _mm512_storeu_ps(row_acc + v * kLanes, sums[v]);
+      }
+    }
+  }
+  for (int64_t row = 0; row < count; ++row) {
+    float natural[kDim];
+    for (int64_t v = 0; v < kSums; ++v) {
+      for (int64_t lane = 0; lane < kLanes; ++lane) natural[interleaved_dim(v, lane)] = acc[row * kDim + v * kLanes + lane];
+    }
+    std::memcpy(acc + row * kDim, natural, sizeof(natural));
+  }
+  ItemView<at::BFloat16, kDim>(p, item).write(acc, row_sum);
+}
+#endif
 
 // An item's many query rows (a prefill chunk's), padded to whole vectors of kLanes rows whose softmax state
 // goes lane by lane.
@@ -516,10 +680,7 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
       uint16_t* row_weights = weights + row * kChunk;
       const float rescale = softmax_row<at::BFloat16>(
           scores + row * kChunk, length, view.position(row) - chunk, p.scale, row_max[row], row_sum[row],
-          [&](int64_t j, Vec w) {
-            const HalfBits bits = __builtin_convertvector(std::bit_cast<Bits>(w) >> 16, HalfBits);
-            std::memcpy(row_weights + j, &bits, sizeof(bits));
-          });
+          [&](int64_t j, Vec w) { store_bf16_bits(row_weights + j, w); });
       for (int64_t d = 0; d < kDim; ++d) acc[row * kDim + d] *= rescale;
     }
     for (int64_t offset = 0; offset < length; offset += kBlock) {
@@ -535,7 +696,14 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
 // The path an item takes, for the head sizes compiled (the Python side sends others to the reference path).
 template <typename scalar_t, int64_t kDim>
 void attend_sized(const Problem& p, bool matrix, const WorkItem& item, Scratch& scratch) {
-  if (item.num_queries * p.group < kManyRows) return attend_item_rows<scalar_t, kDim>(p, item, scratch);
+  if (item.num_queries * p.group < kManyRows) {
+#ifdef WEIR_DOT_PATH
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kDim % kDotLanes == 0) {
+      return attend_item_rows_dot<kDim>(p, item, scratch);
+    }
+#endif
+    return attend_item_rows<scalar_t, kDim>(p, item, scratch);
+  }
 #ifdef WEIR_MATRIX_PATH
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     if (matrix) return attend_item_matrix<kDim>(p, item, scratch);
