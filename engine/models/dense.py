@@ -17,6 +17,9 @@ and oneDNN's caches of 1024 entries); a miss costs about a millisecond. That hol
 kernel and for ``aten``'s 16-bit products on a CPU, which go through oneDNN too. An engine step's row count
 is its token count, which varies from step to step, so such products run a multiple of
 ``SHAPE_ROW_MULTIPLE`` rows: a server then meets a bounded set of shapes early and its memory stays level.
+Decode batches (up to ``SMALL_ROWS`` rows) round to the finer ``SMALL_ROW_MULTIPLE``: their products take
+time in proportion to the rows, and padding 17 decodes to 32 cost nearly half of such a step's products,
+where the finer rounding adds a dozen row counts per matrix shape.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch.nn.functional as F
 from engine.models.packed import Packed
 
 SHAPE_ROW_MULTIPLE = 16
+SMALL_ROWS = 64  # up to this many rows, products round to SMALL_ROW_MULTIPLE instead
+SMALL_ROW_MULTIPLE = 4
 
 Prepare = Callable[[torch.Tensor], torch.Tensor]
 Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -115,13 +120,15 @@ class Dense:
         self._onednn_aten = weight.device.type == "cpu" and weight.dtype != torch.float32
 
     def rows_to_run(self, rows: int) -> int:
-        """The row count to run ``rows`` rows at: rounded up to ``SHAPE_ROW_MULTIPLE`` where the kernel
-        keeps a primitive per row count (see the module's note)."""
+        """The row count to run ``rows`` rows at: rounded up to ``SMALL_ROW_MULTIPLE`` (up to ``SMALL_ROWS``
+        rows) or ``SHAPE_ROW_MULTIPLE`` where the kernel keeps a primitive per row count (see the module's
+        note)."""
         if self.runs_packed(rows):
             return rows
         name = self.plan.kernel_for(rows)
         if name == "onednn" or (name == "aten" and self._onednn_aten):
-            return -(-rows // SHAPE_ROW_MULTIPLE) * SHAPE_ROW_MULTIPLE
+            multiple = SMALL_ROW_MULTIPLE if rows <= SMALL_ROWS else SHAPE_ROW_MULTIPLE
+            return -(-rows // multiple) * multiple
         return rows
 
     def runs_packed(self, rows: int) -> bool:

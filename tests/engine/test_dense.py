@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.dense import SHAPE_ROW_MULTIPLE, Dense, KernelPlan, available_kernels
+from engine.models.dense import (
+    SHAPE_ROW_MULTIPLE,
+    SMALL_ROW_MULTIPLE,
+    SMALL_ROWS,
+    Dense,
+    KernelPlan,
+    available_kernels,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])
@@ -58,14 +65,17 @@ def test_products_through_onednn_run_a_bounded_set_of_row_counts() -> None:
     """oneDNN keeps a compiled primitive per row count, so its products round rows up; MKL's fp32 does not."""
     fp32, bf16 = torch.randn(8, 8), torch.randn(8, 8, dtype=torch.bfloat16)
     mixed = KernelPlan(((4, "aten"), (256, "onednn")))
-    assert [Dense(fp32, None, mixed).rows_to_run(rows) for rows in (1, 4, 5, 16, 17, 300)] == [
+    rows = (1, 4, 5, 16, 17, SMALL_ROWS, SMALL_ROWS + 1, 300)
+    assert [Dense(fp32, None, mixed).rows_to_run(count) for count in rows] == [
         1,
         4,
-        SHAPE_ROW_MULTIPLE,
-        SHAPE_ROW_MULTIPLE,
-        2 * SHAPE_ROW_MULTIPLE,
+        2 * SMALL_ROW_MULTIPLE,
+        16,
+        5 * SMALL_ROW_MULTIPLE,
+        SMALL_ROWS,
+        SMALL_ROWS + SHAPE_ROW_MULTIPLE,
         19 * SHAPE_ROW_MULTIPLE,
     ]
     aten = KernelPlan(((1, "aten"),))
-    assert [Dense(fp32, None, aten).rows_to_run(rows) for rows in (3, 17)] == [3, 17]
-    assert [Dense(bf16, None, aten).rows_to_run(rows) for rows in (3, 17)] == [16, 32]
+    assert [Dense(fp32, None, aten).rows_to_run(count) for count in (3, 17)] == [3, 17]
+    assert [Dense(bf16, None, aten).rows_to_run(count) for count in (3, 17, 100)] == [4, 20, 112]
