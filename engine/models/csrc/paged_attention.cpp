@@ -64,6 +64,7 @@ constexpr int64_t kLanes = 16;  // keys per tile, and query rows scored together
 constexpr int64_t kManyRows = 8;  // from this many query rows, an item scores kLanes rows at once
 constexpr int64_t kChunk = 512;  // keys per softmax step, as in torch's CPU flash attention (kvSplitSize)
 constexpr int64_t kBlock = 64;  // keys per matrix multiply on the matrix path (kChunk is a multiple)
+constexpr int64_t kWholeRowItemsPerThread = 2;  // decodes per thread from which they take whole-row items
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
@@ -146,10 +147,11 @@ inline void accumulate(float* acc, float rescale, const float* weights, int64_t 
 
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
+  int64_t kv_head;  // the item's first KV head
   int64_t first_query;  // index of the item's first query within its sequence's step tokens
   int64_t num_queries;
   int64_t cost;  // queries times keys read, to schedule the longest items first
+  int64_t heads = 1;  // KV heads covered: all of them for a whole-row decode (the dot path)
 };
 
 struct Problem {
@@ -175,12 +177,14 @@ struct Scratch {
   std::vector<uint16_t> halves;  // bf16 operands of the matrix path, as their bits
 };
 
-// An item's place in the problem: its query rows (row r is query r / group of the item, head
-// kv_head * group + r % group) and where each of its keys lives in the caches.
+// An item's place in the problem: its query rows (row r is query r / per_query of the item, head
+// kv_head * group + r % per_query, per_query being the group's query heads times the item's KV heads) and
+// where each of its keys lives in the caches.
 template <typename scalar_t, int64_t kDim>
 struct ItemView {
   const Problem& p;
   const WorkItem& item;
+  int64_t per_query;  // query rows per query token
   int64_t count;  // query rows
   int64_t first_row;  // the item's first query token in the flat batch
   int64_t first_pos;  // position of the item's first query
@@ -188,7 +192,7 @@ struct ItemView {
   const int32_t* table;
 
   ItemView(const Problem& problem, const WorkItem& work)
-      : p(problem), item(work), count(work.num_queries * problem.group) {
+      : p(problem), item(work), per_query(problem.group * work.heads), count(work.num_queries * per_query) {
     const int32_t* seq = p.seqs + 3 * item.seq;
     first_row = seq[0] + item.first_query;
     first_pos = seq[2] - seq[1] + item.first_query;
@@ -196,11 +200,13 @@ struct ItemView {
     table = p.block_tables + item.seq * p.table_stride;
   }
 
-  int64_t head(int64_t row) const { return item.kv_head * p.group + row % p.group; }
-  int64_t position(int64_t row) const { return first_pos + row / p.group; }
+  int64_t head(int64_t row) const { return item.kv_head * p.group + row % per_query; }
+  int64_t position(int64_t row) const { return first_pos + row / per_query; }
+  // Where the KV head of `row` starts within a cache row of the item's first KV head.
+  int64_t head_offset(int64_t row) const { return row % per_query / p.group * kDim; }
 
   const scalar_t* query(int64_t row) const {
-    return static_cast<const scalar_t*>(p.q) + (first_row + row / p.group) * p.q_token_stride +
+    return static_cast<const scalar_t*>(p.q) + (first_row + row / per_query) * p.q_token_stride +
            head(row) * p.q_head_stride;
   }
 
@@ -241,7 +247,7 @@ struct ItemView {
       const scalar_t* row = next_row(base, here);
       tile[j] = row == nullptr ? zero_row : row;
       if (const scalar_t* next = next_row(base, ahead)) {
-        for (int64_t d = 0; d < kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
+        for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
       }
     }
   }
@@ -261,7 +267,7 @@ struct ItemView {
     const int64_t out_stride = p.kv_heads * p.group * kDim;
     for (int64_t row = 0; row < count; ++row) {
       const float inverse = 1.0f / sum[row];
-      scalar_t* dst = out + (first_row + row / p.group) * out_stride + head(row) * kDim;
+      scalar_t* dst = out + (first_row + row / per_query) * out_stride + head(row) * kDim;
       for (int64_t d = 0; d < kDim; ++d) store(acc[row * kDim + d] * inverse, dst + d);
     }
   }
@@ -401,26 +407,34 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
 }
 
 #ifdef WEIR_DOT_PATH
-// A bf16 item with few query rows on a CPU with the bf16 dot-product instruction (vdpbf16ps: each fp32 lane
-// adds the two products of a pair of bf16 lanes), for head sizes of whole 512-bit vectors: keys and values
-// are read as the cache holds them, never widened. A key's score is kDim / 32 such instructions on the
-// query row, the tile's folded as on the generic path. Values: each pair of a tile's value rows is
-// interleaved once (the pairs the instruction reads; shared by the item's rows), and a row adds its pair of
-// weights, broadcast, times them. Interleaving within 128-bit lanes leaves each accumulator vector's dims in
-// a fixed order other than the natural one, which the item puts back when it writes its output.
+// A bf16 decode on a CPU with the bf16 dot-product instruction (vdpbf16ps: each fp32 lane adds the two
+// products of a pair of bf16 lanes), for head sizes of whole 512-bit vectors: keys and values are read as
+// the cache holds them, never widened. A key's score is kDim / 32 such instructions on the query row, the
+// tile's folded as on the generic path. Values: each pair of a tile's value rows is interleaved once (the
+// pairs the instruction reads; shared by the item's rows), and a row adds its pair of weights, broadcast,
+// times them. Interleaving within 128-bit lanes leaves each accumulator vector's dims in a fixed order other
+// than the natural one, which the item puts back when it writes its output.
+//
+// When a step has decodes enough to keep every thread busy, a decode's item covers all its KV heads (every
+// query head of the sequence): it then reads each key's whole cache row, every KV head's part at once. An
+// item of one KV head reads a third of each row of SmolLM2's cache (128 of 384 bytes), and a core streams
+// such strided parts at a third of the rate it streams whole rows (measured on the 2-core EPYC: 6-9 GB/s
+// of useful bytes against 18-26), which is what bounds a decode step's attention.
 constexpr int64_t kDotLanes = 32;  // bf16 lanes of a 512-bit vector
 
 inline __m512bh load_bf16(const uint16_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
 
-// The dot products of one query row (kDim / 32 vectors) with a tile of kLanes keys, lane j holding key j's.
+// The dot products of one query row with a tile of kLanes keys (each `offset` into its cache row), lane j
+// holding key j's.
 template <int64_t kDim>
-inline Vec dot_tile_bf16(const __m512bh* query, const uint16_t* const* keys) {
+inline Vec dot_tile_bf16(const uint16_t* query, const uint16_t* const* keys, int64_t offset) {
+  __m512bh q[kDim / kDotLanes];
+  for (int64_t c = 0; c < kDim / kDotLanes; ++c) q[c] = load_bf16(query + c * kDotLanes);
   Vec parts[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
-    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], load_bf16(keys[j]));
-    for (int64_t c = 1; c < kDim / kDotLanes; ++c) {
-      sum = _mm512_dpbf16_ps(sum, query[c], load_bf16(keys[j] + c * kDotLanes));
-    }
+    const uint16_t* key = keys[j] + offset;
+    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], load_bf16(key));
+    for (int64_t c = 1; c < kDim / kDotLanes; ++c) sum = _mm512_dpbf16_ps(sum, q[c], load_bf16(key + c * kDotLanes));
     parts[j] = reinterpret_cast<Vec>(sum);
   }
   return fold_tile(parts);
@@ -438,23 +452,23 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
   constexpr int64_t kSums = 2 * kVectors;  // fp32 accumulator vectors in a row
   const ItemView<uint16_t, kDim> view(p, item);
   const int64_t count = view.count;
-  scratch.floats.resize(count * (kDim + kChunk + 2));
-  scratch.halves.resize(count * kChunk + kLanes * kDim + kDim);
+  const int64_t pair_stride = item.heads * kSums * kDotLanes;  // one pair of keys' interleaved values
+  scratch.floats.resize(count * (kDim + kChunk + 3));
+  scratch.halves.resize(count * (kChunk + kDim) + kLanes / 2 * pair_stride + item.heads * kDim);
   float* acc = scratch.floats.data();  // [count][kDim], dims interleaved
   float* scores = acc + count * kDim;  // [count][kChunk]
   float* row_max = scores + count * kChunk;
   float* row_sum = row_max + count;
+  float* rescale = row_sum + count;  // this chunk's factor on each row's earlier accumulator
   uint16_t* weights = scratch.halves.data();  // [count][kChunk], bf16 bits
-  uint16_t* pairs = weights + count * kChunk;  // a tile's values: [kLanes / 2][kSums][kDotLanes]
-  uint16_t* zero_row = pairs + kLanes * kDim;
+  uint16_t* queries = weights + count * kChunk;  // [count][kDim]
+  uint16_t* pairs = queries + count * kDim;  // a tile's values: [kLanes / 2][heads][kSums][kDotLanes]
+  uint16_t* zero_row = pairs + kLanes / 2 * pair_stride;  // a cache row of the item's heads, past the last key
   std::fill(acc, acc + count * kDim, 0.0f);
   std::fill(row_max, row_max + count, kNegInf);
   std::fill(row_sum, row_sum + count, 0.0f);
-  std::fill(zero_row, zero_row + kDim, uint16_t{0});
-  __m512bh queries[kManyRows][kVectors];
-  for (int64_t row = 0; row < count; ++row) {
-    for (int64_t c = 0; c < kVectors; ++c) queries[row][c] = load_bf16(view.query(row) + c * kDotLanes);
-  }
+  std::fill(zero_row, zero_row + item.heads * kDim, uint16_t{0});
+  for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
 
   const uint16_t* tile[kLanes];
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
@@ -462,10 +476,10 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.tile_rows(p.key_cache, chunk + offset, tile, zero_row);
       for (int64_t row = 0; row < count; ++row) {
-        store(scores + row * kChunk + offset, dot_tile_bf16<kDim>(queries[row], tile));
+        const Vec row_scores = dot_tile_bf16<kDim>(queries + row * kDim, tile, view.head_offset(row));
+        store(scores + row * kChunk + offset, row_scores);
       }
     }
-    float rescale[kManyRows];
     for (int64_t row = 0; row < count; ++row) {
       uint16_t* row_weights = weights + row * kChunk;
       rescale[row] = softmax_row<at::BFloat16>(scores + row * kChunk, length, view.position(row) - chunk, p.scale,
@@ -475,8 +489,8 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.tile_rows(p.value_cache, chunk + offset, tile, zero_row);
       for (int64_t j = 0; j < kLanes; j += 2) {
-        uint16_t* dst = pairs + j / 2 * kSums * kDotLanes;
-        for (int64_t c = 0; c < kVectors; ++c) {
+        uint16_t* dst = pairs + j / 2 * pair_stride;
+        for (int64_t c = 0; c < item.heads * kVectors; ++c) {
           const __m512i even = _mm512_loadu_si512(tile[j] + c * kDotLanes);
           const __m512i odd = _mm512_loadu_si512(tile[j + 1] + c * kDotLanes);
           _mm512_storeu_si512(dst + 2 * c * kDotLanes, _mm512_unpacklo_epi16(even, odd));
@@ -489,11 +503,12 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
         __m512 sums[kSums];
         for (int64_t v = 0; v < kSums; ++v) sums[v] = _mm512_mul_ps(_mm512_loadu_ps(row_acc + v * kLanes), factor);
         const uint16_t* row_weights = weights + row * kChunk + offset;
+        const uint16_t* row_pairs = pairs + 2 * view.head_offset(row);  // its head's kSums vectors
         for (int64_t j = 0; j < kLanes; j += 2) {
           uint32_t weight_pair;
           std::memcpy(&weight_pair, row_weights + j, sizeof(weight_pair));
           const __m512bh broadcast = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(weight_pair)));
-          const uint16_t* src = pairs + j / 2 * kSums * kDotLanes;
+          const uint16_t* src = row_pairs + j / 2 * pair_stride;
           for (int64_t v = 0; v < kSums; ++v) {
             sums[v] = _mm512_dpbf16_ps(sums[v], broadcast, load_bf16(src + v * kDotLanes));
           }
@@ -696,7 +711,7 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
 // The path an item takes, for the head sizes compiled (the Python side sends others to the reference path).
 template <typename scalar_t, int64_t kDim>
 void attend_sized(const Problem& p, bool matrix, const WorkItem& item, Scratch& scratch) {
-  if (item.num_queries * p.group < kManyRows) {
+  if (item.heads > 1 || item.num_queries * p.group < kManyRows) {  // whole-row items: only on the dot path
 #ifdef WEIR_DOT_PATH
     if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kDim % kDotLanes == 0) {
       return attend_item_rows_dot<kDim>(p, item, scratch);
@@ -769,11 +784,29 @@ bool matrix_path_works() {
 #endif
 }
 
-std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile) {
+// Whether the step's decodes take whole-row items (the dot path's, see there): a bf16 cache whose head size
+// the dot path runs, and decodes enough for every thread to have several.
+bool whole_row_decodes(const at::Tensor& seqs, bool bf16, int64_t head_dim) {
+#ifdef WEIR_DOT_PATH
+  if (!bf16 || head_dim % kDotLanes != 0) return false;
+  const int32_t* info = seqs.data_ptr<int32_t>();
+  int64_t decodes = 0;
+  for (int64_t seq = 0; seq < seqs.size(0); ++seq) decodes += info[3 * seq + 1] == 1;
+  return decodes >= kWholeRowItemsPerThread * at::get_num_threads();
+#else
+  return false;
+#endif
+}
+
+std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile, bool whole_decodes) {
   std::vector<WorkItem> items;
   const int32_t* info = seqs.data_ptr<int32_t>();
   for (int64_t seq = 0; seq < seqs.size(0); ++seq) {
     const int64_t query_len = info[3 * seq + 1], context_len = info[3 * seq + 2];
+    if (whole_decodes && query_len == 1) {
+      items.push_back({seq, 0, 0, 1, context_len * kv_heads, kv_heads});
+      continue;
+    }
     for (int64_t first = 0; first < query_len; first += query_tile) {
       const int64_t count = std::min(query_tile, query_len - first);
       const int64_t keys = context_len - query_len + first + count;
@@ -831,7 +864,9 @@ at::Tensor paged_attention(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
   const bool matrix = bf16 && matrix_path_works();
-  const std::vector<WorkItem> items = plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile);
+  const bool whole_decodes = whole_row_decodes(seqs, bf16, dim);
+  const std::vector<WorkItem> items =
+      plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile, whole_decodes);
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
