@@ -2,8 +2,9 @@
 //
 // One call covers a whole step: decodes (one query) and prefill chunks (several queries, causal within the
 // chunk, after any earlier context). Work is split into items of (sequence, KV head, up to kQueryTile
-// queries); an item computes every query head of its KV head for its queries, so each key and value row is
-// read once for the whole group (grouped-query attention). Items are spread over torch's OpenMP threads,
+// queries), or for decodes on the dot path (sequence, every KV head); an item computes every query head of
+// its KV heads for its queries, so each key and value row is read once for the whole group (grouped-query
+// attention). Items are spread over torch's OpenMP threads,
 // longest first.
 //
 // An item walks its sequence's keys with an online softmax over chunks of kChunk positions, reading each
