@@ -4,8 +4,7 @@
 // chunk, after any earlier context). Work is split into items of (sequence, KV head, up to kQueryTile
 // queries), or for decodes on the dot path (sequence, every KV head); an item computes every query head of
 // its KV heads for its queries, so each key and value row is read once for the whole group (grouped-query
-// attention). Items are spread over torch's OpenMP threads,
-// longest first.
+// attention). Items are spread over torch's OpenMP threads, longest first.
 //
 // An item walks its sequence's keys with an online softmax over chunks of kChunk positions, reading each
 // position's row where the block table puts it, kLanes rows at a time: the chunk's scores, then the running
