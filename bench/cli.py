@@ -101,6 +101,13 @@ def add_stops_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a small workload (8 short requests) for a fast look"
@@ -118,6 +125,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="run Weir once more under the torch profiler and show where time goes",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run each system's workload N times (fresh prompts after the first) and report its median run",
     )
 
 

@@ -74,14 +74,22 @@ def run(args: argparse.Namespace) -> dict:
         "transformers_generate_batch": lambda: _hf_runner(model_dir, device, dtype, run_generate_batch),
         "transformers_static_generate": lambda: _hf_runner(model_dir, device, dtype, run_static_generate),
     }
+    # the first run takes the workload's prompts; each repeat fresh ones (so that no prefix cache helps)
+    repeats = [workload] + [
+        redraw_prompts(workload, token_ids, derived_seed(args.seed, 2 + r)) for r in range(args.repeats - 1)
+    ]
     systems = {}
     for name, make_runner in runners.items():
         progress(f"{name}: loading and warming up")
         runner = make_runner()
         runner(warmup)
-        progress(f"{name}: running the workload")
-        result = runner(workload)
-        progress(f"{name}: {result.output_tokens_per_s:.1f} output tokens/s in {result.seconds:.1f}s")
+        results = []
+        for index, prompts in enumerate(repeats, 1):
+            progress(f"{name}: running the workload ({index}/{len(repeats)})")
+            done = runner(prompts)
+            results.append(done)
+            progress(f"{name}: {done.output_tokens_per_s:.1f} output tokens/s in {done.seconds:.1f}s")
+        result = median_run(results)
         systems[name] = {
             "label": result.name,
             "output_tokens_per_s": round(result.output_tokens_per_s, 3),
@@ -91,6 +99,8 @@ def run(args: argparse.Namespace) -> dict:
             **({"notes": result.notes} if result.notes else {}),
             **result.extra,
         }
+        if len(results) > 1:
+            systems[name]["runs_tokens_per_s"] = [round(r.output_tokens_per_s, 3) for r in results]
         if args.profile and name == "weir":
             progress("weir: running the workload again, with fresh prompts, under the torch profiler")
             fresh = redraw_prompts(workload, token_ids, derived_seed(args.seed, 1))  # no prefix-cache hit
@@ -128,6 +138,12 @@ def run(args: argparse.Namespace) -> dict:
         },
         "systems": systems,
     }
+
+
+def median_run(results: Sequence[SystemResult]) -> SystemResult:
+    """The run with the median output tokens/s (the lower middle one of an even count)."""
+    ranked = sorted(results, key=lambda r: r.output_tokens_per_s)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _roofline_seconds(
@@ -222,10 +238,23 @@ def render(result: dict) -> str:
             "(the better of two measurements, before and after the systems ran); memory read "
             f"{result['bandwidth_gb_s']:.1f} GB/s",
             table,
+            *_render_runs(result["systems"]),
             *(f"{s['label']}: {s['notes']}" for s in result["systems"].values() if "notes" in s),
             *_render_profile(result["systems"]["weir"].get("profile")),
         ]
     )
+
+
+def _render_runs(systems: dict) -> list[str]:
+    """With ``--repeats``: that each figure is a median, and every run's tokens/s."""
+    if not any("runs_tokens_per_s" in s for s in systems.values()):
+        return []
+    runs = "; ".join(
+        f"{s['label']} {', '.join(f'{t:.1f}' for t in s['runs_tokens_per_s'])}"
+        for s in systems.values()
+        if "runs_tokens_per_s" in s
+    )
+    return [f"each system's median run of its repeats (fresh prompts each), tokens/s of every run: {runs}"]
 
 
 def _render_profile(profile: dict | None) -> list[str]:
