@@ -159,14 +159,19 @@ def test_bf16_matrix_and_vector_paths_match_the_reference(onednn: bool) -> None:
     torch.testing.assert_close(kernel.float(), reference.float(), rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["float32", "bfloat16"]
+)
 @pytest.mark.parametrize("decodes", [1, 4 * torch.get_num_threads() + 1])
-def test_bf16_decodes_of_one_or_every_kv_head_match_the_reference(decodes: int) -> None:
-    """With decodes enough for every thread, a bf16 decode's item reads whole cache rows (every KV head) on
-    the dot path; a lone decode takes an item per KV head; both give the reference's result."""
+def test_decodes_of_one_or_every_kv_head_match_the_reference(
+    decodes: int, dtype: torch.dtype, tolerance: float
+) -> None:
+    """With decodes enough for every thread, a decode's item reads whole cache rows (every KV head); a lone
+    decode takes an item per KV head; both give the reference's result."""
     seqs = [(1, 17 + 37 * i) for i in range(decodes)] + [(5, 40)]
-    step = random_step(seqs, block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=11)
+    step = random_step(seqs, block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype, seed=11)
     reference = step.run("reference").float()
-    torch.testing.assert_close(step.run("kernel").float(), reference, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(step.run("kernel").float(), reference, rtol=1.6 * tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(1, 64)] * 5, [(16, 16)], [(17, 80)], [(1, 9), (3, 3)]])

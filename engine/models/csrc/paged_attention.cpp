@@ -2,7 +2,7 @@
 //
 // One call covers a whole step: decodes (one query) and prefill chunks (several queries, causal within the
 // chunk, after any earlier context). Work is split into items of (sequence, KV head, up to kQueryTile
-// queries), or for decodes on the dot path (sequence, every KV head); an item computes every query head of
+// queries), or for decodes in steps of many (sequence, every KV head); an item computes every query head of
 // its KV heads for its queries, so each key and value row is read once for the whole group (grouped-query
 // attention). Items are spread over torch's OpenMP threads, longest first.
 //
@@ -252,12 +252,18 @@ struct ItemView {
     }
   }
 
-  // The same keys as fp32 rows (bf16 widened into `widened` [kLanes][kDim]).
+  // The same keys as fp32 rows of the item's heads (bf16 widened into `widened` [kLanes][heads][kDim]).
   void load_tile(const void* cache, int64_t start, const float** tile, float* widened, const float* zero_row) const {
     const scalar_t* rows[kLanes];
     tile_rows(cache, start, rows, nullptr);
     for (int64_t j = 0; j < kLanes; ++j) {
-      tile[j] = rows[j] == nullptr ? zero_row : row_as_float<kDim>(rows[j], widened + j * kDim);
+      if (rows[j] == nullptr) {
+        tile[j] = zero_row;
+        continue;
+      }
+      float* dst = widened + j * item.heads * kDim;
+      tile[j] = row_as_float<kDim>(rows[j], dst);
+      for (int64_t h = 1; h < item.heads; ++h) row_as_float<kDim>(rows[j] + h * kDim, dst + h * kDim);
     }
   }
 
@@ -362,34 +368,42 @@ inline Vec dot_tile(const float* query, const float* const* keys) {
 template <typename scalar_t, int64_t kDim>
 void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const ItemView<scalar_t, kDim> view(p, item);
-  const int64_t count = view.count;
-  // zeroed: acc, sum and a zero row; then queries, max, scores and the widened rows of a tile
-  const int64_t zeroed = count * kDim + count + kDim;
-  scratch.floats.resize(zeroed + count * kDim + count + count * kChunk + kLanes * kDim);
+  const int64_t count = view.count, width = item.heads * kDim;  // width: a cache row of the item's heads
+  // zeroed: acc, sum and a zero row; then queries, max, rescale, scores and the widened rows of a tile
+  const int64_t zeroed = count * kDim + count + width;
+  scratch.floats.resize(zeroed + count * kDim + 2 * count + count * kChunk + kLanes * width);
   std::fill(scratch.floats.begin(), scratch.floats.begin() + zeroed, 0.0f);
   float* acc = scratch.floats.data();
   float* row_sum = acc + count * kDim;
   const float* zero_row = row_sum + count;
-  float* queries = row_sum + count + kDim;
+  float* queries = row_sum + count + width;
   float* row_max = queries + count * kDim;
-  float* scores = row_max + count;  // [count][kChunk]
+  float* rescale = row_max + count;  // this chunk's factor on each row's earlier accumulator
+  float* scores = rescale + count;  // [count][kChunk]
   float* widened = scores + count * kChunk;
   std::fill(row_max, row_max + count, kNegInf);
+  std::vector<const float*> by_head(item.heads * kLanes);  // a tile's rows from each head's part
   for (int64_t row = 0; row < count; ++row) {
     const scalar_t* src = view.query(row);
     for (int64_t d = 0; d < kDim; ++d) queries[row * kDim + d] = to_float(src[d]);
   }
 
   const float* tile[kLanes];
+  auto split_heads = [&] {
+    for (int64_t h = 0; h < item.heads; ++h) {
+      for (int64_t j = 0; j < kLanes; ++j) by_head[h * kLanes + j] = tile[j] + h * kDim;
+    }
+  };
+  auto row_tile = [&](int64_t row) { return by_head.data() + view.head_offset(row) / kDim * kLanes; };
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.load_tile(p.key_cache, chunk + offset, tile, widened, zero_row);
+      split_heads();
       for (int64_t row = 0; row < count; ++row) {
-        store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, tile));
+        store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, row_tile(row)));
       }
     }
-    float rescale[kManyRows];
     for (int64_t row = 0; row < count; ++row) {
       float* row_scores = scores + row * kChunk;
       rescale[row] = softmax_row<scalar_t>(row_scores, length, view.position(row) - chunk, p.scale, row_max[row],
@@ -397,9 +411,10 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.load_tile(p.value_cache, chunk + offset, tile, widened, zero_row);
+      split_heads();
       for (int64_t row = 0; row < count; ++row) {
         const float factor = offset == 0 ? rescale[row] : 1.0f;
-        accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, tile);
+        accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, row_tile(row));
       }
     }
   }
@@ -414,12 +429,6 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
 // pairs the instruction reads; shared by the item's rows), and a row adds its pair of weights, broadcast,
 // times them. Interleaving within 128-bit lanes leaves each accumulator vector's dims in a fixed order other
 // than the natural one, which the item puts back when it writes its output.
-//
-// When a step has decodes enough to keep every thread busy, a decode's item covers all its KV heads (every
-// query head of the sequence): it then reads each key's whole cache row, every KV head's part at once. An
-// item of one KV head reads a third of each row of SmolLM2's cache (128 of 384 bytes), and a core streams
-// such strided parts at a third of the rate it streams whole rows (measured on the 2-core EPYC: 6-9 GB/s
-// of useful bytes against 18-26), which is what bounds a decode step's attention.
 constexpr int64_t kDotLanes = 32;  // bf16 lanes of a 512-bit vector
 
 inline __m512bh load_bf16(const uint16_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
@@ -711,7 +720,7 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
 // The path an item takes, for the head sizes compiled (the Python side sends others to the reference path).
 template <typename scalar_t, int64_t kDim>
 void attend_sized(const Problem& p, bool matrix, const WorkItem& item, Scratch& scratch) {
-  if (item.heads > 1 || item.num_queries * p.group < kManyRows) {  // whole-row items: only on the dot path
+  if (item.heads > 1 || item.num_queries * p.group < kManyRows) {  // a decode, or a chunk's few rows
 #ifdef WEIR_DOT_PATH
     if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kDim % kDotLanes == 0) {
       return attend_item_rows_dot<kDim>(p, item, scratch);
@@ -784,18 +793,16 @@ bool matrix_path_works() {
 #endif
 }
 
-// Whether the step's decodes take whole-row items (the dot path's, see there): a bf16 cache whose head size
-// the dot path runs, and decodes enough for every thread to have several.
-bool whole_row_decodes(const at::Tensor& seqs, bool bf16, int64_t head_dim) {
-#ifdef WEIR_DOT_PATH
-  if (!bf16 || head_dim % kDotLanes != 0) return false;
+// Whether the step's decodes take whole-row items: when it has decodes enough to keep every thread busy, a
+// decode's item covers all its KV heads (every query head of the sequence) and reads each key's whole cache
+// row at once. An item of one KV head reads a third of each row of SmolLM2's cache (128 of 384 bytes in
+// bf16), and a core streams such strided parts at a third of the rate it streams whole rows (measured on
+// the 2-core EPYC: 6-9 GB/s of useful bytes against 18-26), which is what bounds a decode step's attention.
+bool whole_row_decodes(const at::Tensor& seqs) {
   const int32_t* info = seqs.data_ptr<int32_t>();
   int64_t decodes = 0;
   for (int64_t seq = 0; seq < seqs.size(0); ++seq) decodes += info[3 * seq + 1] == 1;
   return decodes >= kWholeRowItemsPerThread * at::get_num_threads();
-#else
-  return false;
-#endif
 }
 
 std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile, bool whole_decodes) {
@@ -864,7 +871,7 @@ at::Tensor paged_attention(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
   const bool matrix = bf16 && matrix_path_works();
-  const bool whole_decodes = whole_row_decodes(seqs, bf16, dim);
+  const bool whole_decodes = whole_row_decodes(seqs);
   const std::vector<WorkItem> items =
       plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile, whole_decodes);
   const int64_t num_items = static_cast<int64_t>(items.size());
