@@ -132,15 +132,16 @@ inline const float* row_as_float(const at::BFloat16* src, float* scratch) {
   return scratch;
 }
 
-// acc = acc * rescale + the sum over the tile's keys j of weights[j * stride] * values[j].
+// acc = acc * rescale + the sum over the tile's keys j of weights[j * stride] * values[j][offset ..].
 template <int64_t kDim>
-inline void accumulate(float* acc, float rescale, const float* weights, int64_t stride, const float* const* values) {
+inline void accumulate(float* acc, float rescale, const float* weights, int64_t stride, const float* const* values,
+                       int64_t offset = 0) {
   constexpr int64_t kVectors = kDim / kLanes;
   Vec part[kVectors];
   for (int64_t c = 0; c < kVectors; ++c) part[c] = load(acc + c * kLanes) * rescale;
   for (int64_t j = 0; j < kLanes; ++j) {
     const float weight = weights[j * stride];
-    for (int64_t c = 0; c < kVectors; ++c) part[c] += weight * load(values[j] + c * kLanes);
+    for (int64_t c = 0; c < kVectors; ++c) part[c] += weight * load(values[j] + offset + c * kLanes);
   }
   for (int64_t c = 0; c < kVectors; ++c) store(acc + c * kLanes, part[c]);
 }
@@ -151,7 +152,7 @@ struct WorkItem {
   int64_t first_query;  // index of the item's first query within its sequence's step tokens
   int64_t num_queries;
   int64_t cost;  // queries times keys read, to schedule the longest items first
-  int64_t heads = 1;  // KV heads covered: all of them for a whole-row decode (the dot path)
+  int64_t heads = 1;  // KV heads covered: all of them for a whole-row decode (see whole_row_decodes)
 };
 
 struct Problem {
@@ -210,12 +211,6 @@ struct ItemView {
            head(row) * p.q_head_stride;
   }
 
-  // The cache row of key position `pos`, or nullptr past the last key.
-  const scalar_t* key_row(const void* cache, int64_t pos) const {
-    if (pos >= num_keys) return nullptr;
-    const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
-    return static_cast<const scalar_t*>(cache) + slot * p.kv_heads * kDim + item.kv_head * kDim;
-  }
 
   // A cursor over the cache rows of consecutive keys: it walks the block table (a division per key cost more
   // than the key's scores).
@@ -250,6 +245,12 @@ struct ItemView {
         for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
       }
     }
+  }
+
+  // The cache row of key position `pos`, or nullptr past the last key.
+  const scalar_t* key_row(const void* cache, int64_t pos) const {
+    Cursor at = cursor(pos);
+    return next_row(static_cast<const scalar_t*>(cache) + item.kv_head * kDim, at);
   }
 
   // The same keys as fp32 rows of the item's heads (bf16 widened into `widened` [kLanes][heads][kDim]).
@@ -351,13 +352,15 @@ inline Vec fold_tile(const Vec* parts) {
   return fold<1>(halves[0], halves[1]);
 }
 
-// The dot products of one query row with a tile of kLanes keys, lane j holding key j's.
+// The dot products of one query row with a tile of kLanes keys (each `offset` into its row), lane j holding
+// key j's.
 template <int64_t kDim>
-inline Vec dot_tile(const float* query, const float* const* keys) {
+inline Vec dot_tile(const float* query, const float* const* keys, int64_t offset) {
   Vec parts[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
-    parts[j] = load(query) * load(keys[j]);
-    for (int64_t c = kLanes; c < kDim; c += kLanes) parts[j] += load(query + c) * load(keys[j] + c);
+    const float* key = keys[j] + offset;
+    parts[j] = load(query) * load(key);
+    for (int64_t c = kLanes; c < kDim; c += kLanes) parts[j] += load(query + c) * load(key + c);
   }
   return fold_tile(parts);
 }
@@ -382,26 +385,18 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
   float* scores = rescale + count;  // [count][kChunk]
   float* widened = scores + count * kChunk;
   std::fill(row_max, row_max + count, kNegInf);
-  std::vector<const float*> by_head(item.heads * kLanes);  // a tile's rows from each head's part
   for (int64_t row = 0; row < count; ++row) {
     const scalar_t* src = view.query(row);
     for (int64_t d = 0; d < kDim; ++d) queries[row * kDim + d] = to_float(src[d]);
   }
 
   const float* tile[kLanes];
-  auto split_heads = [&] {
-    for (int64_t h = 0; h < item.heads; ++h) {
-      for (int64_t j = 0; j < kLanes; ++j) by_head[h * kLanes + j] = tile[j] + h * kDim;
-    }
-  };
-  auto row_tile = [&](int64_t row) { return by_head.data() + view.head_offset(row) / kDim * kLanes; };
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.load_tile(p.key_cache, chunk + offset, tile, widened, zero_row);
-      split_heads();
       for (int64_t row = 0; row < count; ++row) {
-        store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, row_tile(row)));
+        store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, tile, view.head_offset(row)));
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -411,10 +406,9 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.load_tile(p.value_cache, chunk + offset, tile, widened, zero_row);
-      split_heads();
       for (int64_t row = 0; row < count; ++row) {
         const float factor = offset == 0 ? rescale[row] : 1.0f;
-        accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, row_tile(row));
+        accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, tile, view.head_offset(row));
       }
     }
   }
