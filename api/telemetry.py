@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.utils import suppress_instrumentation
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
@@ -177,7 +178,7 @@ class Telemetry:
         SQLAlchemyInstrumentor().instrument(
             engines=[engine.sync_engine for engine in store.engines()],
             tracer_provider=self.tracer_provider,
-            meter_provider=self.meter_provider,
+            meter_provider=NoOpMeterProvider(),  # no pool-usage counter updated at every checkout and checkin
             skip_dep_check=True,  # it names SQLAlchemy < 2.1; the engine events it uses are unchanged in 2.1
         )
 

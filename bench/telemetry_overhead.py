@@ -14,8 +14,8 @@ cancels the machine's slow drifts and the rounds' different prompts. The load ar
 server drains it, so output tokens/s is the server's capacity. The server process's CPU time per output
 token (from ``/proc``) is shown too.
 
-Both servers run the same matrix-product kernels (``PINNED_KERNELS``, unless this process's environment sets
-them): two start-up measurements on a busy machine can choose differently, and that difference would be
+Both servers run the same matrix-product kernels and pad small batches alike (``PINNED_KERNELS``, unless
+this process's environment sets them): two start-up measurements on a busy machine can choose differently, and that difference would be
 counted as telemetry's.
 """
 
@@ -47,7 +47,7 @@ TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
 WORK_REQUESTS = 2000  # requests of the in-process timing of telemetry's own work
 UNBOUNDED_TTFT_S = 3600.0  # the tenants' TTFT target: nothing is shed, both modes do the same work
 CONFIDENCE = 0.95  # of the interval around each median ratio
-PINNED_KERNELS = {"WEIR_DENSE_KERNEL": "onednn", "WEIR_PACKED_WEIGHTS": "16"}
+PINNED_KERNELS = {"WEIR_DENSE_KERNEL": "onednn", "WEIR_PACKED_WEIGHTS": "16", "WEIR_PAD_SMALL_BATCHES": "no"}
 FIGURES = {  # the figures compared, each read from a run's summary
     "output_tokens_per_s": lambda s: s["output_tokens_per_s"],
     "ttft_p50_ms": lambda s: s["ttft_ms"]["p50"],

@@ -14,7 +14,9 @@ runs each row count with the kernel measured fastest nearest to it.
 without timing the other: for runs that must compare like with like (``auto``, the default, measures).
 
 Some CPU bf16 kernels are far slower for a handful of rows than for a few more, so the choice also measures
-whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``.
+whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``. Where the two
+are close (AMX runs 16 rows as fast as one), that choice falls either way from one start to the next;
+``$WEIR_PAD_SMALL_BATCHES`` (``yes`` or ``no``) makes it without measuring, for runs that compare servers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ROWS = (1, 16, 256)  # a single decode, a decode batch, a prefill chunk
 PAD_ROWS = 16
 REPEATS = 5  # the fastest of this many runs counts
 KERNEL_ENV = "WEIR_DENSE_KERNEL"
+PAD_ENV = "WEIR_PAD_SMALL_BATCHES"
 CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
 
 
@@ -128,6 +131,15 @@ def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]
     return (wanted,) if wanted in available else ("aten",)
 
 
+def pad_small_batches(padded_s: float, single_s: float) -> bool:
+    """Whether to pad batches under ``PAD_ROWS`` rows: as ``$WEIR_PAD_SMALL_BATCHES`` says, else when a
+    padded step measured faster than a 1-row one."""
+    wanted = os.environ.get(PAD_ENV, "auto").strip().lower()
+    if wanted not in ("auto", "yes", "no"):
+        raise ValueError(f"{PAD_ENV} must be auto, yes or no, got {wanted!r}")
+    return padded_s < single_s if wanted == "auto" else wanted == "yes"
+
+
 def _supported(name: str, device: torch.device) -> bool:
     if device.type == "cuda" and name == "bfloat16":
         return torch.cuda.is_bf16_supported()
@@ -156,7 +168,7 @@ def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ..
     fastest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
     plan = KernelPlan.from_measured(ROWS, fastest)
     padded = seconds[best][ROWS.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step
-    min_rows = PAD_ROWS if padded < seconds[best][ROWS.index(1)] else 1
+    min_rows = PAD_ROWS if pad_small_batches(padded, seconds[best][ROWS.index(1)]) else 1
     log.info(
         "dtype (step of %s tokens): %s; chose %s, products by %s%s",
         "/".join(map(str, ROWS)),

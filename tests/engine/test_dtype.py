@@ -11,7 +11,7 @@ import torch
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.dense import KernelPlan
-from engine.models.dtype_choice import KERNEL_ENV, PAD_ROWS, ROWS, choose_dtype
+from engine.models.dtype_choice import KERNEL_ENV, PAD_ENV, PAD_ROWS, ROWS, choose_dtype
 from engine.tokenizer import Tokenizer
 from tests.engine.engine_helpers import make_core, random_prompts
 from tests.engine.test_engine_greedy import QUESTIONS, run_greedy
@@ -44,6 +44,16 @@ def test_the_kernel_can_be_pinned_for_runs_that_compare_like_with_like(
     assert pinned.plan == KernelPlan(((ROWS[-1], "aten"),)) and set(pinned.kernel_seconds) == {"aten"}
     monkeypatch.setenv(KERNEL_ENV, "mkl")
     with pytest.raises(ValueError, match=KERNEL_ENV):
+        choose_dtype(config, cpu, ("float32",))
+
+
+def test_padding_small_batches_can_be_pinned(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config, cpu = ModelConfig.from_dir(tiny_model_dir), torch.device("cpu")
+    for wanted, min_rows in (("yes", PAD_ROWS), ("no", 1)):
+        monkeypatch.setenv(PAD_ENV, wanted)
+        assert choose_dtype(config, cpu, ("float32",)).min_rows == min_rows
+    monkeypatch.setenv(PAD_ENV, "sometimes")
+    with pytest.raises(ValueError, match=PAD_ENV):
         choose_dtype(config, cpu, ("float32",))
 
 
