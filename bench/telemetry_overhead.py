@@ -15,8 +15,8 @@ server drains it, so output tokens/s is the server's capacity. The server proces
 token (from ``/proc``) is shown too.
 
 Both servers run the same matrix-product kernels and pad small batches alike (``PINNED_KERNELS``, unless
-this process's environment sets them): two start-up measurements on a busy machine can choose differently, and that difference would be
-counted as telemetry's.
+this process's environment sets them): two start-up measurements can choose differently, and that
+difference would be counted as telemetry's.
 """
 
 from __future__ import annotations
