@@ -123,21 +123,25 @@ def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]
     """The kernels to time for ``dtype``: every one that runs it here, or the one ``$WEIR_DENSE_KERNEL``
     names (``aten`` where that one does not run ``dtype`` here)."""
     available = available_kernels(device, dtype)
-    wanted = os.environ.get(KERNEL_ENV, "auto").strip().lower()
+    wanted = _env_choice(KERNEL_ENV, tuple(KERNELS))
     if wanted == "auto":
         return available
-    if wanted not in KERNELS:
-        raise ValueError(f"{KERNEL_ENV} must be auto or one of {', '.join(KERNELS)}, got {wanted!r}")
     return (wanted,) if wanted in available else ("aten",)
 
 
 def pad_small_batches(padded_s: float, single_s: float) -> bool:
     """Whether to pad batches under ``PAD_ROWS`` rows: as ``$WEIR_PAD_SMALL_BATCHES`` says, else when a
     padded step measured faster than a 1-row one."""
-    wanted = os.environ.get(PAD_ENV, "auto").strip().lower()
-    if wanted not in ("auto", "yes", "no"):
-        raise ValueError(f"{PAD_ENV} must be auto, yes or no, got {wanted!r}")
+    wanted = _env_choice(PAD_ENV, ("yes", "no"))
     return padded_s < single_s if wanted == "auto" else wanted == "yes"
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """``$name``, lower-cased: ``auto`` (also when unset) or one of ``choices``; ValueError otherwise."""
+    wanted = os.environ.get(name, "auto").strip().lower()
+    if wanted != "auto" and wanted not in choices:
+        raise ValueError(f"{name} must be auto or one of {', '.join(choices)}, got {wanted!r}")
+    return wanted
 
 
 def _supported(name: str, device: torch.device) -> bool:

@@ -799,9 +799,10 @@ bool whole_row_decodes(const at::Tensor& seqs) {
   return decodes >= kWholeRowItemsPerThread * at::get_num_threads();
 }
 
-std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile, bool whole_decodes) {
+std::vector<WorkItem> plan_items(const at::Tensor& seqs, int64_t kv_heads, int64_t query_tile) {
   std::vector<WorkItem> items;
   const int32_t* info = seqs.data_ptr<int32_t>();
+  const bool whole_decodes = whole_row_decodes(seqs);
   for (int64_t seq = 0; seq < seqs.size(0); ++seq) {
     const int64_t query_len = info[3 * seq + 1], context_len = info[3 * seq + 2];
     if (whole_decodes && query_len == 1) {
@@ -865,9 +866,7 @@ at::Tensor paged_attention(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
   const bool matrix = bf16 && matrix_path_works();
-  const bool whole_decodes = whole_row_decodes(seqs);
-  const std::vector<WorkItem> items =
-      plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile, whole_decodes);
+  const std::vector<WorkItem> items = plan_items(seqs, kv_heads, matrix ? kMatrixQueryTile : kQueryTile);
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
