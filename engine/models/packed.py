@@ -79,7 +79,7 @@ class Packed:
 
 def packed_kernel_available() -> bool:
     """Build (first time only) and load the kernel; False, with a warning logged once, if that fails or it
-    was compiled without AVX2 + FMA + F16C (its scalar loop is no faster than the dense path)."""
+    was compiled without F16C and AVX-512 or AVX2 + FMA (its scalar loop is no faster than the dense path)."""
     with _load_lock:
         return _load()
 

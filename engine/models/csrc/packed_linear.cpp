@@ -11,26 +11,35 @@
 // activations (and bias) are widened to fp32 first and the product is rounded back to bf16.
 //
 // Output rows are spread over torch's threads. For each output row the kernel walks the blocks, decodes
-// each once into four 8-lane registers and multiplies it into up to kRowTile activation rows, so a decode
-// step reads each weight from memory once whatever the row count. With few rows, each row keeps several
-// accumulators so that the multiply-adds do not wait on each other. Compiled for AVX2 + FMA + F16C when
-// the compiler targets them (``-march=native``); otherwise a scalar loop computes the same thing slowly and
-// ``weir_quant::simd()`` says so, so that the engine keeps its dense path.
+// each once into vector registers (two of 16 lanes with AVX-512, four of 8 with AVX2) and multiplies it into
+// up to kRowTile activation rows, so a decode step reads each weight from memory once whatever the row count.
+// With few rows, each row keeps several accumulators (over pairs of blocks where one block fills fewer) so
+// that the multiply-adds do not wait on each other. bf16 activations are widened into a buffer of the call
+// and the sums rounded straight into the bf16 output. Compiled for AVX-512 (F) or AVX2 + FMA, with F16C,
+// when the compiler targets them (``-march=native``); otherwise a scalar loop computes the same thing slowly
+// and ``weir_quant::simd()`` says so, so that the engine keeps its dense path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define WEIR_PACKED_SIMD 1
+#define WEIR_PACKED_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define WEIR_PACKED_SIMD 1
+#define WEIR_PACKED_AVX512 0
 #else
 #define WEIR_PACKED_SIMD 0
 #endif
@@ -39,6 +48,36 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int kRowTile = 8;  // activation rows multiplied by one decoded block
+
+#if WEIR_PACKED_SIMD
+// The vector type of the build and the few operations the kernel needs on it.
+#if WEIR_PACKED_AVX512
+using VecF = __m512;
+constexpr int kWidth = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset(float v) { return _mm512_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+#else
+using VecF = __m256;
+constexpr int kWidth = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset(float v) { return _mm256_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline float vsum(VecF v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+constexpr int kVecs = kBlock / kWidth;  // registers per decoded block
+#endif
 
 // One packed matrix: q, the scales d and (Q4_1 only) the minimums m, row by row.
 struct Packed {
@@ -66,67 +105,79 @@ struct Packed {
   }
 
 #if WEIR_PACKED_SIMD
-  // Block b of row j as four 8-lane registers, elements 0-7, 8-15, 16-23, 24-31.
+  // Block b of row j as kVecs registers of consecutive elements.
   template <bool kQ41>
-  inline void decode(int64_t j, int64_t b, __m256 w[4]) const {
+  inline void decode(int64_t j, int64_t b, VecF w[kVecs]) const {
     const int64_t at = j * blocks + b;
-    const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[at].x));
+    const VecF scale = vset(_cvtsh_ss(d[at].x));
     if constexpr (kQ41) {
-      const __m256 min = _mm256_set1_ps(_cvtsh_ss(m[at].x));
+      const VecF min = vset(_cvtsh_ss(m[at].x));
       const __m128i bytes =
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * q_row + b * (kBlock / 2)));
       const __m128i low_mask = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_and_si128(bytes, low_mask);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+      const __m128i lo = _mm_and_si128(bytes, low_mask);  // elements 0-15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);  // elements 16-31
+#if WEIR_PACKED_AVX512
+      w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), scale, min);
+      w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), scale, min);
+#else
       const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
       for (int s = 0; s < 4; ++s) {
         w[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s])), scale, min);
       }
+#endif
     } else {
       const uint8_t* qs = q + j * q_row + b * kBlock;
-      for (int s = 0; s < 4; ++s) {
-        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * s));
-        w[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), scale);
+      for (int s = 0; s < kVecs; ++s) {
+#if WEIR_PACKED_AVX512
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + kWidth * s));
+        w[s] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), scale);
+#else
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + kWidth * s));
+        w[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale);
+#endif
       }
     }
   }
 #endif
 };
 
-#if WEIR_PACKED_SIMD
-inline float horizontal_sum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
+inline void store(float* y, float v) { *y = v; }
+inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 
+#if WEIR_PACKED_SIMD
 // Output row j for kRows activation rows starting at x (row stride ldx), written to y (row stride ldy).
-template <bool kQ41, int kRows>
-void row_tile(const Packed& w, int64_t j, const float* x, int64_t ldx, float* y, int64_t ldy, float bias) {
+template <bool kQ41, int kRows, typename Out>
+void row_tile(const Packed& w, int64_t j, const float* x, int64_t ldx, Out* y, int64_t ldy, float bias) {
   constexpr int kAcc = kRows <= 2 ? 4 : (kRows <= 4 ? 2 : 1);  // accumulators per row
-  __m256 acc[kRows][kAcc];
+  constexpr int kStride = kAcc > kVecs ? kAcc / kVecs : 1;  // blocks per iteration
+  VecF acc[kRows][kAcc];
   for (int r = 0; r < kRows; ++r) {
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int a = 0; a < kAcc; ++a) acc[r][a] = vzero();
   }
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256 decoded[4];
+  const auto add_block = [&](int64_t b, int slot) {
+    VecF decoded[kVecs];
     w.decode<kQ41>(j, b, decoded);
     const float* xb = x + b * kBlock;
-    for (int s = 0; s < 4; ++s) {
-      for (int r = 0; r < kRows; ++r) {
-        acc[r][s % kAcc] = _mm256_fmadd_ps(decoded[s], _mm256_loadu_ps(xb + r * ldx + 8 * s), acc[r][s % kAcc]);
-      }
+    for (int s = 0; s < kVecs; ++s) {
+      const int a = (slot * kVecs + s) % kAcc;
+      for (int r = 0; r < kRows; ++r) acc[r][a] = vfma(decoded[s], vload(xb + r * ldx + kWidth * s), acc[r][a]);
     }
+  };
+  int64_t b = 0;
+  for (; b + kStride <= w.blocks; b += kStride) {
+    for (int slot = 0; slot < kStride; ++slot) add_block(b + slot, slot);
   }
+  for (; b < w.blocks; ++b) add_block(b, 0);
   for (int r = 0; r < kRows; ++r) {
-    __m256 total = acc[r][0];
-    for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[r][a]);
-    y[r * ldy + j] = horizontal_sum(total) + bias;
+    VecF total = acc[r][0];
+    for (int a = 1; a < kAcc; ++a) total = vadd(total, acc[r][a]);
+    store(y + r * ldy + j, vsum(total) + bias);
   }
 }
 
-template <bool kQ41>
-void tile_dispatch(int rows, const Packed& w, int64_t j, const float* x, int64_t ldx, float* y, int64_t ldy,
+template <bool kQ41, typename Out>
+void tile_dispatch(int rows, const Packed& w, int64_t j, const float* x, int64_t ldx, Out* y, int64_t ldy,
                    float bias) {
   switch (rows) {
     case 1: return row_tile<kQ41, 1>(w, j, x, ldx, y, ldy, bias);
@@ -142,18 +193,20 @@ void tile_dispatch(int rows, const Packed& w, int64_t j, const float* x, int64_t
 #endif
 
 // The same product without SIMD: each block decoded to floats, then one dot product per row.
-void rows_scalar(const Packed& w, int64_t j, const float* x, int64_t rows, int64_t k, float* y, int64_t n,
+template <typename Out>
+void rows_scalar(const Packed& w, int64_t j, const float* x, int64_t rows, int64_t k, Out* y, int64_t n,
                  float bias) {
   float block[kBlock];
-  for (int64_t r = 0; r < rows; ++r) y[r * n + j] = bias;
+  std::vector<float> sums(rows, bias);
   for (int64_t b = 0; b < w.blocks; ++b) {
     w.decode_scalar(j, b, block);
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0.0f;
       for (int i = 0; i < kBlock; ++i) sum += block[i] * x[r * k + b * kBlock + i];
-      y[r * n + j] += sum;
+      sums[r] += sum;
     }
   }
+  for (int64_t r = 0; r < rows; ++r) store(y + r * n + j, sums[r]);
 }
 
 Packed check_packed(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
@@ -172,6 +225,28 @@ Packed check_packed(const at::Tensor& q, const at::Tensor& d, const std::optiona
                 m.has_value() ? m->data_ptr<at::Half>() : nullptr, blocks, q.size(1)};
 }
 
+// Every output row j of y [rows, n] from fp32 activations x [rows, k].
+template <typename Out>
+void product(const Packed& w, const float* x, int64_t rows, int64_t k, const float* bias, Out* y, int64_t n) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float b = bias != nullptr ? bias[j] : 0.0f;
+#if WEIR_PACKED_SIMD
+      for (int64_t r = 0; r < rows; r += kRowTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r));
+        if (w.m != nullptr) {
+          tile_dispatch<true>(tile, w, j, x + r * k, k, y + r * n, n, b);
+        } else {
+          tile_dispatch<false>(tile, w, j, x + r * k, k, y + r * n, n, b);
+        }
+      }
+#else
+      rows_scalar(w, j, x, rows, k, y, n, b);
+#endif
+    }
+  });
+}
+
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& d,
                          const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias_in) {
   const Packed w = check_packed(q, d, m);
@@ -180,7 +255,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   TORCH_CHECK((x_in.scalar_type() == at::kFloat || widened) && x_in.device().is_cpu() && x_in.dim() == 2 &&
                   x_in.size(1) == k,
               "x must be a 2-D fp32 or bf16 CPU tensor of ", k, " columns");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.contiguous();
   at::Tensor bias;
   if (bias_in.has_value()) {
     bias = bias_in->to(at::kFloat).contiguous();
@@ -188,28 +263,17 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   }
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return widened ? y.to(at::kBFloat16) : y;
-  const float* xp = x.data_ptr<float>();
+  if (rows == 0 || n == 0) return y;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float b = bp != nullptr ? bp[j] : 0.0f;
-#if WEIR_PACKED_SIMD
-      for (int64_t r = 0; r < rows; r += kRowTile) {
-        const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r));
-        if (w.m != nullptr) {
-          tile_dispatch<true>(tile, w, j, xp + r * k, k, yp + r * n, n, b);
-        } else {
-          tile_dispatch<false>(tile, w, j, xp + r * k, k, yp + r * n, n, b);
-        }
-      }
-#else
-      rows_scalar(w, j, xp, rows, k, yp, n, b);
-#endif
-    }
-  });
-  return widened ? y.to(at::kBFloat16) : y;
+  if (!widened) {
+    product(w, x.data_ptr<float>(), rows, k, bp, y.data_ptr<float>(), n);
+    return y;
+  }
+  std::vector<float> wide(rows * k);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < rows * k; ++i) wide[i] = static_cast<float>(xp[i]);
+  product(w, wide.data(), rows, k, bp, y.data_ptr<c10::BFloat16>(), n);
+  return y;
 }
 
 // The packed matrix as fp32 [n, k], decoded by the same code as packed_linear's.
@@ -223,13 +287,13 @@ at::Tensor packed_dequantize(const at::Tensor& q, const at::Tensor& d, const std
       for (int64_t b = 0; b < w.blocks; ++b) {
         float* dst = op + j * k + b * kBlock;
 #if WEIR_PACKED_SIMD
-        __m256 decoded[4];
+        VecF decoded[kVecs];
         if (w.m != nullptr) {
           w.decode<true>(j, b, decoded);
         } else {
           w.decode<false>(j, b, decoded);
         }
-        for (int s = 0; s < 4; ++s) _mm256_storeu_ps(dst + 8 * s, decoded[s]);
+        for (int s = 0; s < kVecs; ++s) vstore(dst + kWidth * s, decoded[s]);
 #else
         w.decode_scalar(j, b, dst);
 #endif
