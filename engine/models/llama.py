@@ -67,6 +67,7 @@ class PagedLlama:
         self.gather_buffers = GatherBuffers()
         self.packed: PackedWeights | None = None
         self.fused = layer_ops.fused_available(dtype, device)  # bf16 norms and RoPE as single C++ calls
+        self.fused_silu = self.fused and layer_ops.silu_mul_available()
 
     def use_packed(self, packed: PackedWeights) -> None:
         """Let the dense layers run ``packed``'s matrices for the row counts each is chosen for."""
@@ -111,12 +112,14 @@ class PagedLlama:
         slots = batch.slot_mapping.to(self.device)
         cos, sin = self.rotary.lookup(batch.positions.to(self.device))
         hidden = F.embedding(input_ids, self.embed)
+        delta = None  # each layer's MLP output, added into the stream where the next norm reads it
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(
-                hidden, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
+            hidden, delta = self._layer(
+                hidden, delta, layer, kv.keys[index], kv.values[index], kv.block_size, slots, cos, sin, plan
             )
-        selected = hidden.index_select(0, batch.logits_indices.to(self.device))
-        normed = self._norm(selected, self.final_norm)
+        rows = batch.logits_indices.to(self.device)
+        last = None if delta is None else delta.index_select(0, rows)
+        normed = self._add_norm(hidden.index_select(0, rows), last, self.final_norm)
         return self._linear(normed, self.lm_head).float()
 
     __call__ = forward
@@ -124,6 +127,7 @@ class PagedLlama:
     def _layer(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         layer: Layer,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
@@ -132,11 +136,13 @@ class PagedLlama:
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: AttentionPlan,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream ``hidden`` once the previous layer's ``delta`` is added in: the
+        stream (its attention output added) and this layer's MLP output, for the next norm to add."""
         cfg = self.config
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = self._norm(hidden, layer.input_norm)
+        x = self._add_norm(hidden, delta, layer.input_norm)
         qkv = self._linear(x, layer.qkv)
         v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
         if self.fused:
@@ -149,15 +155,25 @@ class PagedLlama:
             key_cache.index_copy_(0, slots, k)
             value_cache.index_copy_(0, slots, v)
         attn = paged_attention(q, k, v, key_cache, value_cache, block_size, plan, self.gather_buffers)
-        hidden.add_(self._linear(attn, layer.out))
-        x = self._norm(hidden, layer.post_norm)
-        gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
-        return hidden.add_(self._linear(F.silu(gate, inplace=True).mul_(up), layer.down))
+        x = self._add_norm(hidden, self._linear(attn, layer.out), layer.post_norm)
+        return hidden, self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor) -> torch.Tensor:
+        """Add ``delta`` (if any) into ``hidden`` in place; return ``hidden`` RMS-normalized by ``norm``."""
+        eps = self.config.rms_norm_eps
         if self.fused:
-            return layer_ops.rms_norm(x, weight, self.config.rms_norm_eps)
-        return rms_norm(x, weight, self.config.rms_norm_eps)
+            if delta is None:
+                return layer_ops.rms_norm(hidden, norm, eps)
+            return layer_ops.add_rms_norm(hidden, delta, norm, eps)
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, norm, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu:
+            return layer_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate, inplace=True).mul_(up)
 
     def _linear(self, x: torch.Tensor, dense: Dense) -> torch.Tensor:
         rows = x.shape[0]

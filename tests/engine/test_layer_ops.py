@@ -26,6 +26,34 @@ def test_rms_norm_rounds_as_the_torch_ops(tokens: int) -> None:
     assert torch.equal(layer_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 300])
+def test_add_rms_norm_adds_in_place_as_torch_then_normalizes_as_rms_norm(tokens: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = (torch.randn(tokens, 576, generator=generator) * 4).bfloat16()
+    delta = (torch.randn(tokens, 576, generator=generator) * 4).bfloat16()
+    weight = torch.randn(576, generator=generator).bfloat16()
+    expected_stream = hidden.clone().add_(delta)
+    stream = hidden.clone()
+    normed = layer_ops.add_rms_norm(stream, delta, weight, 1e-5)
+    assert torch.equal(stream, expected_stream)
+    assert torch.equal(normed, layer_ops.rms_norm(expected_stream, weight, 1e-5))
+
+
+def test_silu_mul_rounds_as_the_torch_ops_for_every_bf16_gate() -> None:
+    """Every one of the 65536 bf16 values as a gate (NaNs, infinities and subnormals among them), each
+    times a random up value: the bits of torch's ``silu`` then ``mul``."""
+    if not layer_ops.silu_mul_available():
+        pytest.skip("silu_mul needs AVX-512; the model keeps torch's silu and mul here")
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.randn(every.numel(), generator=torch.Generator().manual_seed(0)).bfloat16()
+    gate_up = torch.cat([every.view(-1, 2048), up.view(-1, 2048)], dim=1)
+    gate, up_half = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate.clone()).mul_(up_half)
+    got = layer_ops.silu_mul(gate_up)
+    both_nan = torch.isnan(got.float()) & torch.isnan(expected.float())
+    assert bool(((got.view(torch.int16) == expected.view(torch.int16)) | both_nan).all())
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_rope_and_cache_rotates_and_writes_as_the_torch_ops(tiny_model_dir: Path, tokens: int) -> None:
     generator = torch.Generator().manual_seed(tokens)

@@ -2,6 +2,11 @@
 // (so that they give the tokens of the unfused torch ops they replace):
 //
 //   rms_norm(x, w, eps):   out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), the mean and x in fp32.
+//   add_rms_norm(h, d, w, eps): h = bf16(h + d) in place (the residual add), then rms_norm(h, w, eps).
+//   silu_mul(gate_up):     from the fused gate|up projection [T, 2I], bf16(bf16(silu(gate)) * up), with
+//                          silu(g) = g / (1 + exp(-g)) in fp32 and exp as torch's vectorized CPU kernel
+//                          computes it (SLEEF's 1-ulp exp, which torch exports; on a CPU without AVX-512
+//                          the op is not offered and the model keeps torch's silu and mul).
 //   rope_and_cache(...):   from a step's fused q|k|v projection [T, (H + 2 * Hkv) * D], q and k rotated
 //                          (rotate-half layout: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), ``sin``
 //                          signed), and k and v written to the paged caches at the step's slots; returns
@@ -21,6 +26,14 @@
 #include <cmath>
 #include <tuple>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <sleef.h>
+#define WEIR_SILU_MUL 1
+#else
+#define WEIR_SILU_MUL 0
+#endif
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -31,20 +44,15 @@ int64_t grain(int64_t per_token) { return std::max<int64_t>(1, kGrainElements / 
 
 inline bf16 round_product(float a, float b) { return bf16(a * b); }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && x_in.device().is_cpu(),
-              "x must be a 2-D bf16 CPU tensor");
-  const int64_t rows = x_in.size(0), cols = x_in.size(1);
-  TORCH_CHECK(w_in.scalar_type() == at::kBFloat16 && w_in.numel() == cols, "weight must be bf16 [", cols, "]");
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  at::Tensor out = at::empty_like(x);
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const float epsilon = static_cast<float>(eps);
+// Normalize `rows` rows of `cols` values from xp into op; with dp, first add dp's rows into xp (in place).
+void norm_rows(bf16* xp, const bf16* dp, const bf16* wp, int64_t rows, int64_t cols, float epsilon, bf16* op) {
   at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const bf16* row = xp + r * cols;
+      bf16* row = xp + r * cols;
+      if (dp != nullptr) {
+        const bf16* delta = dp + r * cols;
+        for (int64_t i = 0; i < cols; ++i) row[i] = bf16(static_cast<float>(row[i]) + static_cast<float>(delta[i]));
+      }
       float lanes[kLanes] = {};  // independent partial sums, so that the compiler vectorizes the loop
       int64_t i = 0;
       for (; i + kLanes <= cols; i += kLanes) {
@@ -68,8 +76,90 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
       }
     }
   });
+}
+
+void check_bf16_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), name,
+              " must be a 2-D bf16 CPU tensor");
+}
+
+void check_norm_weight(const at::Tensor& w, int64_t cols) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.numel() == cols, "weight must be bf16 [", cols, "]");
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  check_bf16_rows(x_in, "x");
+  check_norm_weight(w_in, x_in.size(1));
+  at::Tensor x = x_in.contiguous();
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  norm_rows(x.data_ptr<bf16>(), nullptr, w.data_ptr<bf16>(), x.size(0), x.size(1), static_cast<float>(eps),
+            out.data_ptr<bf16>());
   return out;
 }
+
+at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta_in, const at::Tensor& w_in, double eps) {
+  check_bf16_rows(hidden, "hidden");
+  TORCH_CHECK(hidden.is_contiguous(), "hidden must be contiguous (it is updated in place)");
+  check_bf16_rows(delta_in, "delta");
+  TORCH_CHECK(delta_in.sizes() == hidden.sizes(), "delta must be shaped like hidden");
+  check_norm_weight(w_in, hidden.size(1));
+  const at::Tensor delta = delta_in.contiguous(), w = w_in.contiguous();
+  at::Tensor out = at::empty_like(hidden);
+  norm_rows(hidden.data_ptr<bf16>(), delta.data_ptr<bf16>(), w.data_ptr<bf16>(), hidden.size(0), hidden.size(1),
+            static_cast<float>(eps), out.data_ptr<bf16>());
+  return out;
+}
+
+#if WEIR_SILU_MUL
+// 16 bf16 values widened to fp32 (bf16 is the upper half of an fp32).
+inline __m512 widen(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 fp32 values rounded to bf16 (to nearest, ties to even; NaN to a quiet NaN), still as fp32.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i biased = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  __m512i rounded = _mm512_and_si512(biased, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(rounded);
+}
+
+// silu(g) * u for 16 values, each rounded to bf16 as torch's silu then mul round them.
+inline void silu_mul16(const bf16* g, const bf16* u, bf16* out) {
+  const __m512 x = widen(g);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+  const __m512 product = round_bf16(_mm512_mul_ps(silu, widen(u)));
+  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), halves);
+}
+#endif
+
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  check_bf16_rows(gate_up_in, "gate_up");
+  TORCH_CHECK(WEIR_SILU_MUL, "silu_mul needs AVX-512");
+  TORCH_CHECK(gate_up_in.size(1) % 32 == 0, "gate_up must have a multiple of 32 columns");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+#if WEIR_SILU_MUL
+  const bf16* src = gate_up.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* gate = src + r * 2 * width;
+      for (int64_t i = 0; i < width; i += 16) silu_mul16(gate + i, gate + width + i, dst + r * width + i);
+    }
+  });
+#endif
+  return out;
+}
+
+bool has_silu_mul() { return WEIR_SILU_MUL != 0; }
 
 // Rotate one head of `dim` values from `src` into `dst` with the token's cos and signed sin.
 inline void rotate(const bf16* src, const bf16* cos, const bf16* sin, int64_t dim, bf16* dst) {
@@ -136,6 +226,9 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache(const at::Tensor& qkv_in, cons
 
 TORCH_LIBRARY(weir_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("has_silu_mul() -> bool", &has_silu_mul);
   m.def(
       "rope_and_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slots, int heads, int kv_heads) -> (Tensor, Tensor)");
@@ -143,5 +236,7 @@ TORCH_LIBRARY(weir_layer, m) {
 
 TORCH_LIBRARY_IMPL(weir_layer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("rope_and_cache", &rope_and_cache);
 }
