@@ -37,10 +37,6 @@ TENANT_RATIO_MIN = 8  # requests a tenant needs before its own error is used
 # admitted requests are predicted near the target, and it is the tail of their TTFT that must meet it
 TTFT_RATIO_TAIL = 0.95
 TENANT_RATIO_TENANTS = 1000  # tenants whose error is kept (the least recently served are forgotten)
-# a request with a start window counts toward the estimate's error only when its estimate was at least this
-# part of the window: a short wait's error is mostly the step already running at its arrival, a fixed cost
-# that, taken as a ratio, would scale up the long estimates that admission decides on
-ERROR_SAMPLE_FRACTION = 0.25
 
 
 @dataclass(eq=False)
@@ -289,14 +285,9 @@ class EngineCore:
             self._window_sums[1] -= prompt
 
     def _record_ttft(self, seq: Sequence) -> None:
-        """Keep how far the request's first token came from the estimate made at its arrival (for a request
-        with a start window, only when the estimate was a fair part of it: ``ERROR_SAMPLE_FRACTION``)."""
+        """Keep how far the request's first token came from the estimate made at its arrival."""
         if not seq.predicted_ttft:
             return
-        if seq.start_deadline is not None:
-            window = seq.start_deadline - seq.arrival_time
-            if seq.predicted_ttft < ERROR_SAMPLE_FRACTION * window:
-                return
         ratio = (seq.first_token_time - seq.arrival_time) / seq.predicted_ttft
         self._ttft_ratios.append(ratio)
         ratios = sorted(self._ttft_ratios)

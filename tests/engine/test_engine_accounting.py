@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.client import AsyncEngine
-from engine.core import ERROR_SAMPLE_FRACTION, TENANT_RATIO_MIN, EngineCore
+from engine.core import TENANT_RATIO_MIN, EngineCore
 from engine.types import SamplingParams
 from tests.engine.engine_helpers import (
     assert_block_references_match,
@@ -172,23 +172,3 @@ def test_a_tenant_with_enough_finished_requests_has_its_own_estimate_error(tiny_
     assert own is not None and own > 0
     assert own == core.stats().ttft_estimate_ratio_p95  # the only tenant so far: the engine's figure too
     assert core.estimate_ttft(40, "quiet").tenant_ratio_tail is None  # none finished: the engine's is used
-
-
-def test_only_requests_predicted_near_their_start_window_count_toward_the_estimate_error(
-    tiny_model_dir: Path,
-) -> None:
-    core = make_core(tiny_model_dir)
-    short, near = random_prompts([400, 400], seed=11)  # long: a window of several ms
-    estimate = core.estimate_ttft(400).seconds
-    params = SamplingParams(temperature=0, max_tokens=2)
-    core.add_request("short", short, params, start_within_s=estimate / ERROR_SAMPLE_FRACTION * 10)
-    while core.has_unfinished():
-        core.step()
-    assert core.stats().ttft_estimate_ratio_p50 is None  # its estimate was a tenth of the fraction
-    estimate = core.estimate_ttft(400).seconds  # the step-time model has seen real steps since
-    core.add_request("near", near, params, start_within_s=estimate / ERROR_SAMPLE_FRACTION * 0.75)
-    outputs = []
-    while core.has_unfinished():
-        outputs += core.step()
-    assert outputs[-1].finish_reason == "length"  # started within its window
-    assert core.stats().ttft_estimate_ratio_p50 is not None
