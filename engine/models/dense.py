@@ -1,14 +1,17 @@
 """The dense layers' matrix products, ``y = x @ W.T + b``, and which implementation runs each of them.
 
-Two implementations of the same product, differing only in summation order:
+Three implementations of the same product, differing only in summation order:
 
 - ``aten``: torch's ``F.linear`` on the weight as loaded (on CPU in fp32, MKL's GEMM).
 - ``onednn``: the weight reordered once, at load, into oneDNN's blocked layout and multiplied by oneDNN's
   linear primitive (``torch.ops.mkldnn._linear_pointwise``, what ``torch.compile`` uses for packed CPU
   linears). MKL's GEMM runs a few rows at a fraction of the memory bandwidth on some CPUs (on a 2-core AMD
   EPYC: 8 rows of the 49152x576 logits projection at 3.5 GB/s), where oneDNN's runs 2-3x faster.
+- ``brgemm``: bf16 only, the weight in column tiles multiplied by oneDNN's small-matrix kernel
+  (``engine.models.tile_linear``); faster than the linear primitive at a decode batch's rows, and run at any
+  row count unpadded.
 
-Neither wins at every row count on every machine, so a :class:`KernelPlan`, chosen by measurement at load
+None wins at every row count on every machine, so a :class:`KernelPlan`, chosen by measurement at load
 (``dtype_choice``), names the kernel per range of row counts, and each :class:`Dense` keeps the weight in
 just the forms its plan uses.
 
@@ -31,13 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.packed import Packed
+from engine.models.tile_linear import tile_kernel_available, tile_linear, tile_prepare
 
 SHAPE_ROW_MULTIPLE = 16
 SMALL_ROWS = 64  # up to this many rows, products round to SMALL_ROW_MULTIPLE instead
 SMALL_ROW_MULTIPLE = 4
 
-Prepare = Callable[[torch.Tensor], torch.Tensor]
-Apply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Prepare = Callable[[torch.Tensor], object]  # the weight in the form the kernel reads
+Apply = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
 
 
 def _onednn_prepare(weight: torch.Tensor) -> torch.Tensor:
@@ -55,13 +59,16 @@ def _aten_prepare(weight: torch.Tensor) -> torch.Tensor:
 KERNELS: dict[str, tuple[Prepare, Apply]] = {
     "aten": (_aten_prepare, F.linear),
     "onednn": (_onednn_prepare, _onednn_apply),
+    "brgemm": (tile_prepare, tile_linear),
 }
 
 
 def available_kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels that run ``dtype`` on ``device`` here (oneDNN's only on a CPU whose build has it)."""
+    """The kernels that run ``dtype`` on ``device`` here (oneDNN's only on a CPU whose build has it; the
+    tiled kernel for bf16 where its extension works)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return ("aten",)
+    tiles = ("brgemm",) if tile_kernel_available(device, dtype) else ()
     try:
         probe = torch.ones(4, 8, dtype=dtype)
         ok = bool(
@@ -71,7 +78,7 @@ def available_kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ..
         )
     except RuntimeError:
         ok = False
-    return ("aten", "onednn") if ok else ("aten",)
+    return (("aten", "onednn") if ok else ("aten",)) + tiles
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,14 @@ faster than fp32 at these shapes, others slower; fp16 and bf16 are also tried on
 
 Each dtype is timed with every matrix-product kernel that runs it here (``dense.KERNELS``); a dtype's score
 takes the fastest kernel at each row count, and the chosen dtype's :class:`~engine.models.dense.KernelPlan`
-runs each row count with the kernel measured fastest nearest to it.
+runs each row count with the kernel measured fastest nearest to it, judged by the products that run at that
+count: a 256-token step's logits projection runs at 16 rows, where another kernel may be the faster, so it
+is left out of the 256-row comparison (on the AMX Xeon it had tipped that choice to a kernel 12 % slower
+on the layers' products).
 
-``$WEIR_DENSE_KERNEL`` (``aten`` or ``onednn``) runs every product by that kernel where the dtype has it,
-without timing the other: for runs that must compare like with like (``auto``, the default, measures).
+``$WEIR_DENSE_KERNEL`` (``aten``, ``onednn`` or ``brgemm``) runs every product by that kernel where the
+dtype has it, without timing the others: for runs that must compare like with like (``auto``, the default,
+measures).
 
 Some CPU bf16 kernels are far slower for a handful of rows than for a few more, so the choice also measures
 whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``. Where the two
@@ -37,6 +41,7 @@ log = logging.getLogger("weir.engine")
 
 ROWS = (1, 16, 256)  # a single decode, a decode batch, a prefill chunk
 PAD_ROWS = 16
+PAD_GAIN = 0.9  # pad only when a padded step measures at most this fraction of a 1-row step
 REPEATS = 5  # the fastest of this many runs counts
 KERNEL_ENV = "WEIR_DENSE_KERNEL"
 PAD_ENV = "WEIR_PAD_SMALL_BATCHES"
@@ -46,8 +51,10 @@ CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "f
 @dataclass(frozen=True)
 class DtypeChoice:
     """The chosen dtype, its kernel plan, the fewest rows its dense layers should run (padding smaller
-    batches), and the measured step times in seconds, one per entry of ``ROWS``: per dtype with its fastest
-    kernel at each count (``seconds``), and per kernel of the chosen dtype (``kernel_seconds``)."""
+    batches), and the measured times in seconds, one per entry of ``ROWS``: per dtype, a step with its
+    fastest kernel at each count (``seconds``); per kernel of the chosen dtype, the products that run at
+    that count's rows (``kernel_seconds``: a step's layers, and its logits projection only where the step
+    is no larger than the logits rows), from which the plan takes the fastest."""
 
     dtype: torch.dtype
     min_rows: int
@@ -72,10 +79,11 @@ def _step_seconds(
     dtype: torch.dtype,
     kernels: tuple[str, ...],
     rows: tuple[int, ...],
-) -> dict[str, tuple[float, ...]]:
-    """Per kernel, the dense-layer seconds of one step of each of ``rows`` tokens (logits for at most
-    ``PAD_ROWS`` of them), every product run by that kernel. The kernels take turns within each repeat,
-    so that a slow moment of the machine falls on all of them rather than on whichever ran then."""
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per kernel, for a step of each of ``rows`` tokens, the seconds of its layers' products (all layers)
+    and of its logits projection (for at most ``PAD_ROWS`` of them), every product run by that kernel. The
+    kernels take turns within each repeat, so that a slow moment of the machine falls on all of them rather
+    than on whichever ran then."""
     hidden, heads = config.hidden_size, config.num_heads
     qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
     shapes = ((qkv, hidden), (hidden, heads * config.head_dim), (2 * config.intermediate_size, hidden))
@@ -101,7 +109,7 @@ def _step_seconds(
             torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
-    seconds: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    seconds: dict[str, list[tuple[float, float]]] = {kernel: [] for kernel in kernels}
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, hidden, dtype=dtype, device=device)
@@ -115,7 +123,7 @@ def _step_seconds(
                     layer[kernel] = min(layer[kernel], timed(layer_products, dense, inputs))
                     logits[kernel] = min(logits[kernel], timed(head, logits_rows))
             for kernel in kernels:
-                seconds[kernel].append(config.num_layers * layer[kernel] + logits[kernel])
+                seconds[kernel].append((config.num_layers * layer[kernel], logits[kernel]))
     return {kernel: tuple(times) for kernel, times in seconds.items()}
 
 
@@ -131,9 +139,10 @@ def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]
 
 def pad_small_batches(padded_s: float, single_s: float) -> bool:
     """Whether to pad batches under ``PAD_ROWS`` rows: as ``$WEIR_PAD_SMALL_BATCHES`` says, else when a
-    padded step measured faster than a 1-row one."""
+    padded step measured clearly faster than a 1-row one (by ``PAD_GAIN``: where the two take the same
+    time, as where reading the weights bounds both, the timing's noise would decide)."""
     wanted = _env_choice(PAD_ENV, ("yes", "no"))
-    return padded_s < single_s if wanted == "auto" else wanted == "yes"
+    return padded_s <= PAD_GAIN * single_s if wanted == "auto" else wanted == "yes"
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -159,16 +168,25 @@ def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ..
     take the fastest dtype and, per row count, kernel; logs the figures."""
     candidates = names or CANDIDATES.get(device.type, ("float32",))
     by_kernel: dict[str, dict[str, tuple[float, ...]]] = {}
+    at_count: dict[str, dict[str, tuple[float, ...]]] = {}  # the products that run at each count's rows
     for name in candidates:
         if _supported(name, device):
             dtype = getattr(torch, name)
-            by_kernel[name] = _step_seconds(config, device, dtype, kernels_to_time(device, dtype), ROWS)
+            parts = _step_seconds(config, device, dtype, kernels_to_time(device, dtype), ROWS)
+            by_kernel[name] = {k: tuple(layers + logits for layers, logits in p) for k, p in parts.items()}
+            at_count[name] = {
+                k: tuple(
+                    layers + (logits if count <= PAD_ROWS else 0.0)
+                    for count, (layers, logits) in zip(ROWS, p, strict=True)
+                )
+                for k, p in parts.items()
+            }
     seconds = {
         name: tuple(min(times[i] for times in kernels.values()) for i in range(len(ROWS)))
         for name, kernels in by_kernel.items()
     }
     best = min(seconds, key=lambda name: math.prod(seconds[name]))
-    kernels = by_kernel[best]
+    kernels = at_count[best]
     fastest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
     plan = KernelPlan.from_measured(ROWS, fastest)
     padded = seconds[best][ROWS.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step

@@ -11,7 +11,15 @@ import torch
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.dense import KernelPlan
-from engine.models.dtype_choice import KERNEL_ENV, PAD_ENV, PAD_ROWS, ROWS, choose_dtype
+from engine.models.dtype_choice import (
+    KERNEL_ENV,
+    PAD_ENV,
+    PAD_GAIN,
+    PAD_ROWS,
+    ROWS,
+    choose_dtype,
+    pad_small_batches,
+)
 from engine.tokenizer import Tokenizer
 from tests.engine.engine_helpers import make_core, random_prompts
 from tests.engine.test_engine_greedy import QUESTIONS, run_greedy
@@ -55,6 +63,14 @@ def test_padding_small_batches_can_be_pinned(tiny_model_dir: Path, monkeypatch: 
     monkeypatch.setenv(PAD_ENV, "sometimes")
     with pytest.raises(ValueError, match=PAD_ENV):
         choose_dtype(config, cpu, ("float32",))
+
+
+def test_small_batches_are_padded_only_when_that_is_clearly_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PAD_ENV, raising=False)
+    assert pad_small_batches(padded_s=0.5, single_s=1.0)
+    assert pad_small_batches(padded_s=PAD_GAIN, single_s=1.0)
+    assert not pad_small_batches(padded_s=0.97, single_s=1.0)  # within the timing's noise: not padded
+    assert not pad_small_batches(padded_s=1.2, single_s=1.0)
 
 
 def test_the_engine_runs_and_caches_in_the_chosen_dtype(tiny_model_dir: Path) -> None:

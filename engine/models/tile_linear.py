@@ -1,0 +1,65 @@
+"""bf16 matrix products by oneDNN's small-matrix kernel over weights stored in column tiles
+(``csrc/tile_linear.cpp``): the ``brgemm`` kernel of ``engine.models.dense``.
+
+At a decode batch's few rows a product is bound by reading its weight, and oneDNN's linear primitive streamed
+the weights of SmolLM2's layers at 14-19 GB/s on the AMX Xeon where this kernel streams them at 18-22. It
+also runs any row count as it comes: oneDNN's primitive is compiled per row count, so the engine pads a
+step's rows to a bounded set of counts for it (``dense``'s module note), and that padding costs a dozen
+small torch calls per product. Where the extension cannot be built, or oneDNN's kernel does not multiply
+exactly here, the kernel is simply not offered.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models.extension import load_extension
+
+SOURCE = Path(__file__).with_name("csrc") / "tile_linear.cpp"
+NAME = "weir_tile_linear"
+_load_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A [outputs, inputs] bf16 weight in the kernel's layout (column blocks, pair-interleaved inputs)."""
+
+    tiles: torch.Tensor
+    outputs: int
+
+
+def tile_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs ``dtype`` on ``device``: bf16 on a CPU, built, exact on a probe product."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    with _load_lock:
+        return _load()
+
+
+@functools.cache
+def _load() -> bool:
+    if not load_extension(NAME, SOURCE, "tiled bf16 matrix products", "products keep oneDNN's and aten's"):
+        return False
+    # small integers are exact in bf16 and in fp32 sums, so a working kernel gives the product bit for bit
+    x = (torch.arange(3 * 6) % 7 - 3).view(3, 6).to(torch.bfloat16)
+    w = (torch.arange(40 * 6) % 5 - 2).view(40, 6).to(torch.bfloat16)
+    bias = torch.arange(40, dtype=torch.bfloat16)
+    try:
+        got = tile_linear(x, tile_prepare(w), bias)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got.float(), x.float() @ w.float().T + bias.float()))
+
+
+def tile_prepare(weight: torch.Tensor) -> TiledWeight:
+    return TiledWeight(torch.ops.weir_tiles.tile_pack(weight), weight.shape[0])
+
+
+def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for bf16 ``x`` [..., inputs]: fp32 sums, rounded once to bf16."""
+    return torch.ops.weir_tiles.tile_linear(x, weight.tiles, bias, weight.outputs)
