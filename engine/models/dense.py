@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from engine.models.packed import Packed
 from engine.models.tile_linear import tile_kernel_available, tile_linear, tile_prepare
 
+ROLES = ("qkv", "out", "gate_up", "down")  # a decoder layer's products
 SHAPE_ROW_MULTIPLE = 16
 SMALL_ROWS = 64  # up to this many rows, products round to SMALL_ROW_MULTIPLE instead
 SMALL_ROW_MULTIPLE = 4

@@ -30,17 +30,18 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.dense import KERNELS, Dense, KernelPlan, available_kernels
+from engine.models.dense import KERNELS, ROLES, Dense, KernelPlan, available_kernels
 
 log = logging.getLogger("weir.engine")
 
 ROWS = (1, 16, 256)  # a single decode, a decode batch, a prefill chunk
 PAD_ROWS = 16
+PRODUCTS = (*ROLES, "lm_head")  # each layer's four products, and the logits projection
 PAD_GAIN = 0.9  # pad only when a padded step measures at most this fraction of a 1-row step
 REPEATS = 5  # the fastest of this many runs counts
 KERNEL_ENV = "WEIR_DENSE_KERNEL"
@@ -50,17 +51,17 @@ CANDIDATES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "f
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """The chosen dtype, its kernel plan, the fewest rows its dense layers should run (padding smaller
-    batches), and the measured times in seconds, one per entry of ``ROWS``: per dtype, a step with its
-    fastest kernel at each count (``seconds``); per kernel of the chosen dtype, the products that run at
-    that count's rows (``kernel_seconds``: a step's layers, and its logits projection only where the step
-    is no larger than the logits rows), from which the plan takes the fastest."""
+    """The chosen dtype, its kernel plan for each product (``PRODUCTS``), the fewest rows its dense layers
+    should run (padding smaller batches), and the measured times in seconds, one per entry of ``ROWS``: per
+    dtype, a step with the fastest kernel for each product at each count (``seconds``); for the chosen
+    dtype, per product and kernel, that product's time in such a step (``product_seconds``: all layers'
+    for a layer's product; the logits projection's runs at most ``PAD_ROWS`` rows)."""
 
     dtype: torch.dtype
     min_rows: int
     seconds: dict[str, tuple[float, ...]]
-    plan: KernelPlan = KernelPlan()
-    kernel_seconds: dict[str, tuple[float, ...]] | None = None
+    plans: dict[str, KernelPlan] = field(default_factory=dict)
+    product_seconds: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)
 
 
 def fastest_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -79,52 +80,53 @@ def _step_seconds(
     dtype: torch.dtype,
     kernels: tuple[str, ...],
     rows: tuple[int, ...],
-) -> dict[str, tuple[tuple[float, float], ...]]:
-    """Per kernel, for a step of each of ``rows`` tokens, the seconds of its layers' products (all layers)
-    and of its logits projection (for at most ``PAD_ROWS`` of them), every product run by that kernel. The
-    kernels take turns within each repeat, so that a slow moment of the machine falls on all of them rather
-    than on whichever ran then."""
+) -> dict[str, dict[str, tuple[float, ...]]]:
+    """Per product and kernel, its seconds in a step of each of ``rows`` tokens: a layer's product for all
+    layers, the logits projection for at most ``PAD_ROWS`` of the tokens. The kernels take turns within
+    each repeat, so that a slow moment of the machine falls on all of them rather than on whichever ran
+    then."""
     hidden, heads = config.hidden_size, config.num_heads
     qkv = (heads + 2 * config.num_kv_heads) * config.head_dim
-    shapes = ((qkv, hidden), (hidden, heads * config.head_dim), (2 * config.intermediate_size, hidden))
-    shapes += ((hidden, config.intermediate_size),)
-    matrices = [torch.randn(out, inp, dtype=dtype, device=device) for out, inp in shapes]
-    head_matrix = torch.randn(config.vocab_size, hidden, dtype=dtype, device=device)
+    shapes = {
+        "qkv": (qkv, hidden),
+        "out": (hidden, heads * config.head_dim),
+        "gate_up": (2 * config.intermediate_size, hidden),
+        "down": (hidden, config.intermediate_size),
+        "lm_head": (config.vocab_size, hidden),
+    }
+    matrices = {name: torch.randn(*shape, dtype=dtype, device=device) for name, shape in shapes.items()}
     forms = {
-        kernel: (
-            [Dense(m, None, KernelPlan(((1, kernel),))) for m in matrices],
-            Dense(head_matrix, None, KernelPlan(((1, kernel),))),
-        )
+        kernel: {name: Dense(m, None, KernelPlan(((1, kernel),))) for name, m in matrices.items()}
         for kernel in kernels
     }
+    repeat = {name: 1 if name == "lm_head" else config.num_layers for name in PRODUCTS}
 
-    def layer_products(dense: list[Dense], inputs: tuple[torch.Tensor, ...]) -> None:
-        for product, x in zip(dense, inputs, strict=True):
-            product(x)
-
-    def timed(run: Callable[..., object], *args: object) -> float:
+    def timed(product: Dense, x: torch.Tensor) -> float:
         started = time.perf_counter()
-        run(*args)
+        product(x)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
-    seconds: dict[str, list[tuple[float, float]]] = {kernel: [] for kernel in kernels}
+    seconds = {name: {kernel: [] for kernel in kernels} for name in PRODUCTS}
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, hidden, dtype=dtype, device=device)
-            wide = torch.randn(count, config.intermediate_size, dtype=dtype, device=device)
-            inputs = (x, x, x, wide)
-            logits_rows = x[: min(count, PAD_ROWS)]
-            layer = dict.fromkeys(kernels, math.inf)
-            logits = dict.fromkeys(kernels, math.inf)
+            inputs = {
+                "qkv": x,
+                "out": x,
+                "gate_up": x,
+                "down": torch.randn(count, config.intermediate_size, dtype=dtype, device=device),
+                "lm_head": x[: min(count, PAD_ROWS)],
+            }
+            best = {(name, kernel): math.inf for name in PRODUCTS for kernel in kernels}
             for _ in range(REPEATS):
-                for kernel, (dense, head) in forms.items():
-                    layer[kernel] = min(layer[kernel], timed(layer_products, dense, inputs))
-                    logits[kernel] = min(logits[kernel], timed(head, logits_rows))
-            for kernel in kernels:
-                seconds[kernel].append((config.num_layers * layer[kernel], logits[kernel]))
-    return {kernel: tuple(times) for kernel, times in seconds.items()}
+                for kernel, products in forms.items():
+                    for name, product in products.items():
+                        best[name, kernel] = min(best[name, kernel], timed(product, inputs[name]))
+            for (name, kernel), fastest in best.items():
+                seconds[name][kernel].append(repeat[name] * fastest)
+    return {name: {k: tuple(times) for k, times in by_kernel.items()} for name, by_kernel in seconds.items()}
 
 
 def kernels_to_time(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
@@ -165,38 +167,56 @@ def _ms(times: tuple[float, ...]) -> str:
 
 def choose_dtype(config: ModelConfig, device: torch.device, names: tuple[str, ...] = ()) -> DtypeChoice:
     """Time each dtype of ``names`` (default: this device's candidates) with each kernel that runs it, and
-    take the fastest dtype and, per row count, kernel; logs the figures."""
+    take the fastest dtype and, per product and row count, kernel; logs the figures."""
     candidates = names or CANDIDATES.get(device.type, ("float32",))
-    by_kernel: dict[str, dict[str, tuple[float, ...]]] = {}
-    at_count: dict[str, dict[str, tuple[float, ...]]] = {}  # the products that run at each count's rows
+    by_product: dict[str, dict[str, dict[str, tuple[float, ...]]]] = {}
     for name in candidates:
         if _supported(name, device):
             dtype = getattr(torch, name)
-            parts = _step_seconds(config, device, dtype, kernels_to_time(device, dtype), ROWS)
-            by_kernel[name] = {k: tuple(layers + logits for layers, logits in p) for k, p in parts.items()}
-            at_count[name] = {
-                k: tuple(
-                    layers + (logits if count <= PAD_ROWS else 0.0)
-                    for count, (layers, logits) in zip(ROWS, p, strict=True)
-                )
-                for k, p in parts.items()
-            }
+            by_product[name] = _step_seconds(config, device, dtype, kernels_to_time(device, dtype), ROWS)
     seconds = {
-        name: tuple(min(times[i] for times in kernels.values()) for i in range(len(ROWS)))
-        for name, kernels in by_kernel.items()
+        name: tuple(
+            sum(min(times[i] for times in kernels.values()) for kernels in products.values())
+            for i in range(len(ROWS))
+        )
+        for name, products in by_product.items()
     }
     best = min(seconds, key=lambda name: math.prod(seconds[name]))
-    kernels = at_count[best]
-    fastest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
-    plan = KernelPlan.from_measured(ROWS, fastest)
+    plans = {product: _plan(product, kernels) for product, kernels in by_product[best].items()}
     padded = seconds[best][ROWS.index(PAD_ROWS)]  # a 16-row step is a padded 1-row step
     min_rows = PAD_ROWS if pad_small_batches(padded, seconds[best][ROWS.index(1)]) else 1
     log.info(
         "dtype (step of %s tokens): %s; chose %s, products by %s%s",
         "/".join(map(str, ROWS)),
-        ", ".join(f"{n}/{k} {_ms(t)}" for n, ks in by_kernel.items() for k, t in ks.items()),
+        ", ".join(
+            f"{n}/{k} {_ms(_step_with(products, k))}"
+            for n, products in by_product.items()
+            for k in next(iter(products.values()))
+        ),
         best,
-        plan.describe(),
+        _describe(plans),
         f" (batches under {PAD_ROWS} rows padded: {padded * 1e3:.1f} ms a step)" if min_rows > 1 else "",
     )
-    return DtypeChoice(getattr(torch, best), min_rows, seconds, plan, kernels)
+    return DtypeChoice(getattr(torch, best), min_rows, seconds, plans, by_product[best])
+
+
+def _plan(product: str, kernels: dict[str, tuple[float, ...]]) -> KernelPlan:
+    """The product's kernel per row count: the fastest measured at each count where the product runs at
+    that count's rows (the logits projection's never exceed ``PAD_ROWS``)."""
+    counts = [i for i, count in enumerate(ROWS) if product != "lm_head" or count <= PAD_ROWS]
+    fastest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in counts)
+    return KernelPlan.from_measured(tuple(ROWS[i] for i in counts), fastest)
+
+
+def _step_with(products: dict[str, dict[str, tuple[float, ...]]], kernel: str) -> tuple[float, ...]:
+    """A step's seconds at each count with every product run by ``kernel``."""
+    return tuple(
+        sum(t[i] for t in (kernels[kernel] for kernels in products.values())) for i in range(len(ROWS))
+    )
+
+
+def _describe(plans: dict[str, KernelPlan]) -> str:
+    """The plans, once when every product has the same one."""
+    if len({plans[p] for p in plans}) == 1:
+        return next(iter(plans.values())).describe()
+    return "; ".join(f"{product} {plan.describe()}" for product, plan in plans.items())

@@ -32,14 +32,19 @@ class Layer:
     down: Dense
 
     @classmethod
-    def of(cls, weights: LayerWeights, plan: KernelPlan) -> Layer:
+    def of(cls, weights: LayerWeights, plans: dict[str, KernelPlan]) -> Layer:
+        def dense(role: str) -> Dense:
+            return Dense(
+                getattr(weights, role), getattr(weights, f"{role}_bias"), plans.get(role, KernelPlan())
+            )
+
         return cls(
             input_norm=weights.input_norm,
-            qkv=Dense(weights.qkv, weights.qkv_bias, plan),
-            out=Dense(weights.out, weights.out_bias, plan),
+            qkv=dense("qkv"),
+            out=dense("out"),
             post_norm=weights.post_norm,
-            gate_up=Dense(weights.gate_up, weights.gate_up_bias, plan),
-            down=Dense(weights.down, weights.down_bias, plan),
+            gate_up=dense("gate_up"),
+            down=dense("down"),
         )
 
 
@@ -53,13 +58,13 @@ class PagedLlama:
         device: torch.device,
         dtype: torch.dtype,
         min_rows: int = 1,
-        plan: KernelPlan | None = None,
+        plans: dict[str, KernelPlan] | None = None,
     ) -> None:
         self.config = config
-        self.plan = plan or KernelPlan()
+        self.plans = plans or {}  # each product's kernel plan (``dtype_choice.PRODUCTS``); aten's by default
         self.embed, self.final_norm = weights.embed, weights.final_norm
-        self.layers = [Layer.of(layer, self.plan) for layer in weights.layers]
-        self.lm_head = Dense(weights.lm_head, None, self.plan)
+        self.layers = [Layer.of(layer, self.plans) for layer in weights.layers]
+        self.lm_head = Dense(weights.lm_head, None, self.plans.get("lm_head", KernelPlan()))
         self.device = device
         self.dtype = dtype
         self.min_rows = min_rows  # dense layers run at least this many rows (see dtype_choice)
@@ -208,7 +213,7 @@ def load_model(
     device = torch.device(device)
     choice = choose_dtype(config, device, () if dtype == "auto" else (dtype,))
     weights = load_weights(model_dir, config, device, choice.dtype)
-    model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, choice.plan)
+    model = PagedLlama(config, weights, device, choice.dtype, choice.min_rows, choice.plans)
     dense = {role: [getattr(layer, role) for layer in model.layers] for role in ROLES}
     dense["lm_head"] = [model.lm_head]
     fp32_weights = (

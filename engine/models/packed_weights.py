@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.dense import ROLES
 from engine.models.dtype_choice import fastest_seconds
 from engine.models.loader import ModelWeights
 from engine.models.packed import Packed, PackedMatrix, pack_lossless, packed_kernel_available
@@ -36,7 +37,6 @@ log = logging.getLogger("weir.engine")
 PACKED_ENV = "WEIR_PACKED_WEIGHTS"
 ROWS = (1, 4, 16, 64)  # row counts timed, ascending; timing stops at the first the packed loses
 REPEATS = 3  # the fastest of this many runs counts
-ROLES = ("qkv", "out", "gate_up", "down")
 DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes that can run packed
 Product = Callable[[torch.Tensor], torch.Tensor]
 

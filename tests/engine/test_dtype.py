@@ -10,12 +10,12 @@ import torch
 
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.models.dense import KernelPlan
 from engine.models.dtype_choice import (
     KERNEL_ENV,
     PAD_ENV,
     PAD_GAIN,
     PAD_ROWS,
+    PRODUCTS,
     ROWS,
     choose_dtype,
     pad_small_batches,
@@ -35,10 +35,20 @@ def test_auto_takes_the_candidate_with_the_fastest_measured_steps(tiny_model_dir
     assert all(len(times) == len(ROWS) and min(times) > 0 for times in choice.seconds.values())
     fastest = min(choice.seconds, key=lambda name: math.prod(choice.seconds[name]))
     assert choice.dtype == getattr(torch, fastest) and choice.min_rows in (1, PAD_ROWS)
-    kernels = choice.kernel_seconds
-    assert kernels and all(len(times) == len(ROWS) for times in kernels.values())
-    quickest = tuple(min(kernels, key=lambda k, i=i: kernels[k][i]) for i in range(len(ROWS)))
-    assert choice.plan == KernelPlan.from_measured(ROWS, quickest)
+    assert set(choice.plans) == set(choice.product_seconds) == set(PRODUCTS)
+    for product, kernels in choice.product_seconds.items():
+        assert kernels and all(len(times) == len(ROWS) for times in kernels.values())
+        # each product runs each row count with its kernel measured fastest there (the logits projection
+        # is judged only at the counts it runs: at most PAD_ROWS rows)
+        for i, rows in enumerate(ROWS):
+            if product != "lm_head" or rows <= PAD_ROWS:
+                quickest = min(kernels, key=lambda k, i=i: kernels[k][i])
+                assert choice.plans[product].kernel_for(rows) == quickest
+    # a dtype's step is the sum of its products, each by its fastest kernel
+    best = choice.seconds[str(choice.dtype).removeprefix("torch.")]
+    for i in range(len(ROWS)):
+        fastest_sum = sum(min(t[i] for t in kernels.values()) for kernels in choice.product_seconds.values())
+        assert best[i] == pytest.approx(fastest_sum)
     only = choose_dtype(ModelConfig.from_dir(tiny_model_dir), torch.device("cpu"), ("float32",))
     assert only.dtype == torch.float32 and set(only.seconds) == {"float32"}
 
@@ -49,7 +59,8 @@ def test_the_kernel_can_be_pinned_for_runs_that_compare_like_with_like(
     config, cpu = ModelConfig.from_dir(tiny_model_dir), torch.device("cpu")
     monkeypatch.setenv(KERNEL_ENV, "aten")
     pinned = choose_dtype(config, cpu, ("float32",))
-    assert pinned.plan == KernelPlan(((ROWS[-1], "aten"),)) and set(pinned.kernel_seconds) == {"aten"}
+    assert all(plan.kernels == ("aten",) for plan in pinned.plans.values())
+    assert all(set(kernels) == {"aten"} for kernels in pinned.product_seconds.values())
     monkeypatch.setenv(KERNEL_ENV, "mkl")
     with pytest.raises(ValueError, match=KERNEL_ENV):
         choose_dtype(config, cpu, ("float32",))
