@@ -28,7 +28,8 @@
 // the matrix path instead, when oneDNN's small-matrix kernel (torch's `cpublas::brgemm`) answers a probe
 // exactly: the item's rows times a block of kBlock keys is one bf16 matrix multiply with fp32 sums, and so
 // is the block's weights times its values. Each block of keys and values is first copied from its slots
-// into the pair-interleaved (VNNI) layout that kernel reads; the scores go through the decode path's
+// into the pair-interleaved (VNNI) layout that kernel reads (with AVX-512 the keys' pairs are transposed 16
+// by 16 in registers and each two value rows interleaved by a permute); the scores go through the decode path's
 // softmax, row by row, with the same rounding of the weights to bf16. Its items hold kMatrixQueryTile
 // queries, to spread each block's copy over more rows.
 
@@ -51,8 +52,10 @@
 #if defined(__AMX_BF16__) || defined(__AVX512BF16__)
 #define WEIR_MATRIX_PATH 1
 #endif
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX512BF16__
 #define WEIR_DOT_PATH 1
 #endif
 
@@ -245,12 +248,6 @@ struct ItemView {
         for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
       }
     }
-  }
-
-  // The cache row of key position `pos`, or nullptr past the last key.
-  const scalar_t* key_row(const void* cache, int64_t pos) const {
-    Cursor at = cursor(pos);
-    return next_row(static_cast<const scalar_t*>(cache) + item.kv_head * kDim, at);
   }
 
   // The same keys as fp32 rows of the item's heads (bf16 widened into `widened` [kLanes][heads][kDim]).
@@ -638,6 +635,42 @@ void attend_item_lanes(const Problem& p, const WorkItem& item, Scratch& scratch)
   view.write(rows.acc, rows.sum);
 }
 
+#if defined(WEIR_MATRIX_PATH) && defined(__AVX512BW__)
+// Transposes a kLanes x kLanes matrix of 32-bit elements held a row per vector: afterwards vector i holds
+// column i (pairs, then lanes of 64 bits, then the four 128-bit quarters of each vector change places).
+inline void transpose_lanes(__m512i r[kLanes]) {
+  __m512i t[kLanes];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Indices that interleave two vectors of 32 bf16 (a's lane i, then b's): the low 16 lanes of each, the high.
+const __m512i kInterleaveLow = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+const __m512i kInterleaveHigh = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55,
+                                                 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+#endif
+
 #ifdef WEIR_MATRIX_PATH
 // The matrix path for a bf16 item with many rows (see the top of the file). Operands, as bf16 bits: the
 // item's query rows [count][kDim]; a block's keys as the right operand of scores = queries x keys^T,
@@ -650,7 +683,7 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
   const ItemView<uint16_t, kDim> view(p, item);
   const int64_t count = view.count;
   scratch.floats.resize(count * (kChunk + kDim + 2));
-  scratch.halves.resize(count * (kDim + kChunk) + kBlock * kDim);
+  scratch.halves.resize(count * (kDim + kChunk) + kBlock * kDim + kDim);
   float* scores = scratch.floats.data();  // [count][kChunk]
   float* acc = scores + count * kChunk;  // [count][kDim]
   float* row_max = acc + count * kDim;
@@ -658,30 +691,56 @@ void attend_item_matrix(const Problem& p, const WorkItem& item, Scratch& scratch
   uint16_t* queries = scratch.halves.data();
   uint16_t* weights = queries + count * kDim;
   uint16_t* packed = weights + count * kChunk;  // one block of keys, or of values
+  uint16_t* zero_row = packed + kBlock * kDim;  // the cache row of a position past the last key
+  std::fill(zero_row, zero_row + kDim, uint16_t{0});
   std::fill(acc, acc + count * kDim, 0.0f);
   std::fill(row_max, row_max + count, kNegInf);
   std::fill(row_sum, row_sum + count, 0.0f);
   for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
 
+  const uint16_t* rows[kBlock];  // a block's cache rows, past the last key a row of zeros
+  auto block_rows = [&](const void* cache, int64_t start) {
+    for (int64_t j = 0; j < kBlock; j += kLanes) view.tile_rows(cache, start + j, rows + j, zero_row);
+  };
   auto pack_keys = [&](int64_t start) {
     auto* pairs = reinterpret_cast<uint32_t*>(packed);  // [kDim / 2][kBlock]
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const uint16_t* key = view.key_row(p.key_cache, start + j);
-      for (int64_t d = 0; d < kDim / 2; ++d) {
-        uint32_t pair = 0;
-        if (key != nullptr) std::memcpy(&pair, key + 2 * d, sizeof(pair));
-        pairs[d * kBlock + j] = pair;
+    block_rows(p.key_cache, start);
+#ifdef __AVX512BW__
+    if constexpr (kDim % (2 * kLanes) == 0) {
+      for (int64_t j = 0; j < kBlock; j += kLanes) {
+        for (int64_t d = 0; d < kDim / 2; d += kLanes) {
+          __m512i tile[kLanes];  // kLanes keys' pairs d .. d + kLanes - 1, then those pairs' keys
+          for (int64_t k = 0; k < kLanes; ++k) tile[k] = _mm512_loadu_si512(rows[j + k] + 2 * d);
+          transpose_lanes(tile);
+          for (int64_t k = 0; k < kLanes; ++k) _mm512_storeu_si512(pairs + (d + k) * kBlock + j, tile[k]);
+        }
       }
+      return;
+    }
+#endif
+    for (int64_t j = 0; j < kBlock; ++j) {
+      for (int64_t d = 0; d < kDim / 2; ++d) std::memcpy(pairs + d * kBlock + j, rows[j] + 2 * d, sizeof(uint32_t));
     }
   };
   auto pack_values = [&](int64_t start) {
+    block_rows(p.value_cache, start);
     for (int64_t j = 0; j < kBlock; j += 2) {
-      const uint16_t* even = view.key_row(p.value_cache, start + j);
-      const uint16_t* odd = view.key_row(p.value_cache, start + j + 1);
+      const uint16_t* even = rows[j];
+      const uint16_t* odd = rows[j + 1];
       uint16_t* dst = packed + j * kDim;  // [kDim][2] for this pair of keys
+#ifdef __AVX512BW__
+      if constexpr (kDim % (2 * kLanes) == 0) {
+        for (int64_t d = 0; d < kDim; d += 2 * kLanes) {
+          const __m512i a = _mm512_loadu_si512(even + d), b = _mm512_loadu_si512(odd + d);
+          _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, kInterleaveLow, b));
+          _mm512_storeu_si512(dst + 2 * d + 2 * kLanes, _mm512_permutex2var_epi16(a, kInterleaveHigh, b));
+        }
+        continue;
+      }
+#endif
       for (int64_t d = 0; d < kDim; ++d) {
-        dst[2 * d] = even != nullptr ? even[d] : 0;
-        dst[2 * d + 1] = odd != nullptr ? odd[d] : 0;
+        dst[2 * d] = even[d];
+        dst[2 * d + 1] = odd[d];
       }
     }
   };
