@@ -7,11 +7,12 @@ geometric mean of the three step times, so each kind of step counts alike. Some 
 faster than fp32 at these shapes, others slower; fp16 and bf16 are also tried on CUDA.
 
 Each dtype is timed with every matrix-product kernel that runs it here (``dense.KERNELS``); a dtype's score
-takes the fastest kernel at each row count, and the chosen dtype's :class:`~engine.models.dense.KernelPlan`
-runs each row count with the kernel measured fastest nearest to it, judged by the products that run at that
-count: a 256-token step's logits projection runs at 16 rows, where another kernel may be the faster, so it
-is left out of the 256-row comparison (on the AMX Xeon it had tipped that choice to a kernel 12 % slower
-on the layers' products).
+takes, for each of its products (``PRODUCTS``) at each row count, the fastest kernel, and each product of the
+chosen dtype gets a :class:`~engine.models.dense.KernelPlan` that runs each row count with the kernel
+measured fastest for it nearest to that count (the logits projection, which runs at most ``PAD_ROWS`` rows
+here, is judged only at those counts). Per product, because the kernels' strengths differ by shape: on the
+AMX Xeon at 512 rows oneDNN's primitive ran the gate/up projection 1.4x faster than the tiled kernel, which
+ran the down projection 1.45x faster.
 
 ``$WEIR_DENSE_KERNEL`` (``aten``, ``onednn`` or ``brgemm``) runs every product by that kernel where the
 dtype has it, without timing the others: for runs that must compare like with like (``auto``, the default,
@@ -210,13 +211,12 @@ def _plan(product: str, kernels: dict[str, tuple[float, ...]]) -> KernelPlan:
 
 def _step_with(products: dict[str, dict[str, tuple[float, ...]]], kernel: str) -> tuple[float, ...]:
     """A step's seconds at each count with every product run by ``kernel``."""
-    return tuple(
-        sum(t[i] for t in (kernels[kernel] for kernels in products.values())) for i in range(len(ROWS))
-    )
+    return tuple(sum(kernels[kernel][i] for kernels in products.values()) for i in range(len(ROWS)))
 
 
 def _describe(plans: dict[str, KernelPlan]) -> str:
-    """The plans, once when every product has the same one."""
-    if len({plans[p] for p in plans}) == 1:
-        return next(iter(plans.values())).describe()
+    """The plans, once when every product's reads the same."""
+    described = {plan.describe() for plan in plans.values()}
+    if len(described) == 1:
+        return described.pop()
     return "; ".join(f"{product} {plan.describe()}" for product, plan in plans.items())

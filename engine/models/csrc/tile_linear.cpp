@@ -102,11 +102,9 @@ at::Tensor tile_linear(const at::Tensor& input, const at::Tensor& packed, const 
     }
     at::native::cpublas::brgemm_release();
   });
-  return out.view([&] {
-    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-    shape.back() = outputs;
-    return shape;
-  }());
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = outputs;
+  return out.view(shape);
 }
 
 }  // namespace
