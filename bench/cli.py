@@ -344,6 +344,13 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate", type=float, default=8.0, metavar="R", help="arrivals per second, above capacity (default 8)"
     )
+    parser.add_argument(
+        "--ttft-rate",
+        type=float,
+        default=1.5,
+        metavar="R",
+        help="arrivals per second of the load whose TTFT is compared, within capacity (default 1.5)",
+    )
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs for a fast look")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--slo-tpot-ms", type=float, default=200)

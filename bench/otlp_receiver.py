@@ -1,14 +1,25 @@
 """A small OTLP/HTTP receiver, standing in for a collector in the telemetry benchmark and tests: it accepts
-protobuf exports of spans and metrics and keeps them decoded."""
+protobuf exports of spans and metrics and decodes them.
+
+It listens in a process of its own, which only writes each payload to a file, and the payloads are decoded
+when they are read (``Receiver.snapshot``, ``Receiver.metric_names``). A collector does not share the
+client's interpreter: a receiver thread in the benchmark's process would hold its load generator's GIL
+while decoding an export, and delay the first tokens it times from the server that exports.
+"""
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -17,6 +28,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SIGNALS = {"/v1/traces": "traces", "/v1/metrics": "metrics"}  # request path -> payload file suffix
+START_TIMEOUT_S = 30.0
 
 
 def plain(value: AnyValue) -> Any:
@@ -43,17 +58,41 @@ class Span:
 
 @dataclass
 class Receiver:
+    """The parent's view of the receiving process: its endpoint and what it has received, decoded."""
+
     endpoint: str
+    directory: Path
     spans: list[Span] = field(default_factory=list)
-    metric_names: set[str] = field(default_factory=set)
+    _metric_names: set[str] = field(default_factory=set)
+    _read: set[str] = field(default_factory=set)  # payload files already decoded
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> list[Span]:
+        """Every span received so far."""
         with self.lock:
+            self._decode_new()
             return list(self.spans)
 
-    def add_traces(self, request: ExportTraceServiceRequest) -> None:
-        spans = [
+    @property
+    def metric_names(self) -> set[str]:
+        """The names of every metric received so far."""
+        with self.lock:
+            self._decode_new()
+            return set(self._metric_names)
+
+    def _decode_new(self) -> None:
+        for path in sorted(self.directory.glob("*.pb"), key=lambda p: int(p.stem.split(".")[0])):
+            if path.name in self._read:
+                continue
+            self._read.add(path.name)
+            body = path.read_bytes()
+            if path.stem.endswith(".traces"):
+                self._add_traces(ExportTraceServiceRequest.FromString(body))
+            else:
+                self._add_metrics(ExportMetricsServiceRequest.FromString(body))
+
+    def _add_traces(self, request: ExportTraceServiceRequest) -> None:
+        self.spans.extend(
             Span(
                 name=span.name,
                 trace_id=span.trace_id.hex(),
@@ -69,38 +108,69 @@ class Receiver:
             for resource in request.resource_spans
             for scope in resource.scope_spans
             for span in scope.spans
-        ]
-        with self.lock:
-            self.spans.extend(spans)
+        )
 
-    def add_metrics(self, request: ExportMetricsServiceRequest) -> None:
-        names = {
+    def _add_metrics(self, request: ExportMetricsServiceRequest) -> None:
+        self._metric_names |= {
             metric.name
             for resource in request.resource_metrics
             for scope in resource.scope_metrics
             for metric in scope.metrics
         }
-        with self.lock:
-            self.metric_names |= names
 
 
 @contextmanager
 def otlp_receiver() -> Iterator[Receiver]:
-    """A receiver on a free local port; its ``endpoint`` is what ``OTEL_EXPORTER_OTLP_ENDPOINT`` takes."""
-    receiver: Receiver
+    """A receiving process on a free local port; the ``endpoint`` is what ``OTEL_EXPORTER_OTLP_ENDPOINT``
+    takes."""
+    with tempfile.TemporaryDirectory(prefix="weir-otlp-") as directory:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.otlp_receiver", directory],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            port = _read_port(process)
+            yield Receiver(f"http://127.0.0.1:{port}", Path(directory))
+        finally:
+            process.terminate()
+            process.wait(timeout=START_TIMEOUT_S)
+
+
+def _read_port(process: subprocess.Popen) -> int:
+    """The port the receiving process announced on its first line of output."""
+    timer = threading.Timer(START_TIMEOUT_S, process.kill)
+    timer.start()
+    try:
+        line = process.stdout.readline() if process.stdout else ""
+    finally:
+        timer.cancel()
+    if not line.startswith("port "):
+        raise RuntimeError(f"the OTLP receiver did not start (exit status {process.poll()})")
+    return int(line.split()[1])
+
+
+def serve(directory: Path) -> None:
+    """Receive exports on a free local port until terminated, each payload written (decompressed) to
+    ``directory`` as ``<sequence>.<signal>.pb``; the port is printed first."""
+    sequence = iter(range(1, 1 << 62))
+    sequence_lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the http.server interface
             body = self.rfile.read(int(self.headers["content-length"]))
-            if self.headers.get("content-encoding") == "gzip":
-                body = gzip.decompress(body)
-            if self.path == "/v1/traces":
-                receiver.add_traces(ExportTraceServiceRequest.FromString(body))
-            elif self.path == "/v1/metrics":
-                receiver.add_metrics(ExportMetricsServiceRequest.FromString(body))
-            else:
+            signal = SIGNALS.get(self.path)
+            if signal is None:
                 self.send_error(404)
                 return
+            if self.headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            with sequence_lock:
+                number = next(sequence)
+            partial = directory / f"{number}.{signal}.part"
+            partial.write_bytes(body)
+            partial.rename(directory / f"{number}.{signal}.pb")  # whole once it has its name
             reply = ExportTraceServiceResponse().SerializeToString()  # every Export*Response is empty
             self.send_response(200)
             self.send_header("content-type", "application/x-protobuf")
@@ -112,11 +182,11 @@ def otlp_receiver() -> Iterator[Receiver]:
             return
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    receiver = Receiver(f"http://127.0.0.1:{server.server_address[1]}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield receiver
-    finally:
-        server.shutdown()
-        server.server_close()
+    print(f"port {server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="an OTLP/HTTP receiver that keeps each payload in a file")
+    parser.add_argument("directory", type=Path)
+    serve(parser.parse_args().directory)

@@ -3,16 +3,20 @@
     weir bench telemetry --quick --rounds 12 --requests 16
 
 "Off" is a server with no ``OTEL_*`` variable (nothing exported; ``/metrics`` still served). "On" exports
-traces and metrics by OTLP/HTTP to a receiver in this process (``bench/otlp_receiver.py``, which decodes
+traces and metrics by OTLP/HTTP to a receiver in a process of its own (``bench/otlp_receiver.py``, which decodes
 every payload as a collector would) and logs JSON lines. Both servers run side by side on one database and
-first serve one unmeasured warm-up load each. Then the same seeded load goes to one server, then to the
-other, for ``--rounds`` rounds (one prompt set per round, so no round finds the previous round's prompts
-cached; off first in even rounds, on first in odd ones). Each round gives the on/off ratio of each figure;
-the result is the median ratio over the rounds, with a distribution-free 95 % confidence interval of that
-median, so the run says whether its noise is small enough to tell a 2 % difference. Pairing within a round
-cancels the machine's slow drifts and the rounds' different prompts. The load arrives faster than the
-server drains it, so output tokens/s is the server's capacity. The server process's CPU time per output
-token (from ``/proc``) is shown too.
+first serve one unmeasured warm-up load each. Then, for ``--rounds`` rounds, each server in turn (off first
+in even rounds, on first in odd ones) gets two seeded loads with fresh prompts (no round finds an earlier
+one's prompts cached): one arriving faster than it drains (``--rate``), whose output tokens/s is the
+server's capacity, and one it keeps up with (``--ttft-rate``), whose time to first token is what a client
+of a server within its capacity waits.
+
+Throughput is compared round by round: each round's on/off ratio, their median and its distribution-free
+95 % interval (pairing within a round cancels the machine's slow drifts). TTFT is compared on the
+steady load's requests pooled over all rounds: the ratio of the two p50s, with an interval from resampling
+rounds (``bench/paired_rounds.py``); one round's p50 of a few dozen requests is too coarse for a 2 %
+target. The overloaded load's TTFT p50 (queueing time, which the order of arrivals within each step moves
+by tens of percent) and the server process's CPU time per output token (from ``/proc``) are shown too.
 
 Both servers run the same matrix-product kernels and pad small batches alike (``PINNED_KERNELS``, unless
 this process's environment sets them): two start-up measurements can choose differently, and that
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import re
 import statistics
@@ -34,6 +37,7 @@ from pathlib import Path
 from bench.http_load import run_load, served_model
 from bench.latency import summarize
 from bench.otlp_receiver import Receiver, otlp_receiver
+from bench.paired_rounds import median_interval, pooled_ratio
 from bench.report import format_table, progress, publish
 from bench.serve import build_load
 from bench.soak import soak_database
@@ -43,7 +47,7 @@ from bench.weir_process import ServerError, WeirProcess, weir_serve
 from bench.workload import FULL, QUICK, WorkloadSpec
 
 MODES = ("off", "on")
-TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in TTFT p50
+TARGET_PCT = 2.0  # the difference allowed in output tokens/s and in the steady load's TTFT p50
 WORK_REQUESTS = 2000  # requests of the in-process timing of telemetry's own work
 UNBOUNDED_TTFT_S = 3600.0  # the tenants' TTFT target: nothing is shed, both modes do the same work
 CONFIDENCE = 0.95  # of the interval around each median ratio
@@ -105,10 +109,13 @@ def run(args: argparse.Namespace) -> dict:
             asyncio.run(run_load(servers[mode].v1, model, warm_up))
         for round_index in range(args.rounds):
             load = build_load(tokenizer, spec, args.rate, list(keys), round_index)
+            steady = build_load(tokenizer, spec, args.ttft_rate, list(keys), args.rounds + 1 + round_index)
             order = MODES if round_index % 2 == 0 else MODES[::-1]  # neither mode always goes first
             for mode in order:  # the idle server waits on an event: it takes no CPU from the loaded one
                 progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
-                runs[mode].append(_measure(servers[mode], model, load, args))
+                summary = _measure(servers[mode], model, load, args)
+                summary["steady_ttft_ms"] = _ttfts_ms(servers[mode], model, steady)
+                runs[mode].append(summary)
         kernels = {mode: _kernel_choice(server.log_path) for mode, server in servers.items()}
         metric_names = sorted(receiver.metric_names)
         spans = len(receiver.snapshot()) - spans_before
@@ -121,12 +128,14 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_len": list(spec.prompt_len),
             "output_len": list(spec.output_len),
             "rate_rps": args.rate,
+            "steady_rate_rps": args.ttft_rate,
             "seed": spec.seed,
             "rounds": args.rounds,
         },
         "runs": runs,
         "medians": medians,
         "ratios": {name: _ratios(runs, read) for name, read in FIGURES.items()},
+        "steady_ttft": _steady_ttft(runs),
         "otlp_metrics_received": metric_names,
         "otlp_spans_received": spans,
         "kernels": kernels,
@@ -146,6 +155,24 @@ def _measure(server: WeirProcess, model: str, load: list, args: argparse.Namespa
     summary["cpu_ms_per_output_token"] = round(1000 * cpu / max(summary["output_tokens"], 1), 3)
     summary["cpu_ms_per_request"] = round(1000 * cpu / max(summary["completed"], 1), 3)
     return summary
+
+
+def _ttfts_ms(server: WeirProcess, model: str, load: list) -> list[float]:
+    """Send ``load`` to ``server``: each completed request's time to first token, in ms."""
+    records = asyncio.run(run_load(server.v1, model, load))
+    return [round(1000 * r.ttft, 3) for r in records if r.ttft is not None]
+
+
+def _steady_ttft(runs: dict[str, list[dict]]) -> dict:
+    """The steady load's TTFT p50 over all rounds, on against off, with its round-resampled interval."""
+    per_round = {mode: [run["steady_ttft_ms"] for run in runs[mode]] for mode in MODES}
+    pooled = pooled_ratio(per_round["off"], per_round["on"], 50, CONFIDENCE)
+    return {
+        "p50_ms": {"off": round(pooled["base"], 2), "on": round(pooled["other"], 2)},
+        "ratio": round(pooled["ratio"], 4),
+        "interval": [round(bound, 4) for bound in pooled["interval"]],
+        "requests": {mode: sum(map(len, per_round[mode])) for mode in MODES},
+    }
 
 
 def _kernel_choice(log_path: Path) -> str:
@@ -172,22 +199,6 @@ def _ratios(runs: dict[str, list[dict]], read) -> dict:
     }
 
 
-def median_interval(values: list[float], confidence: float) -> tuple[float, float]:
-    """A distribution-free confidence interval of the median: the order statistics ``x(k)`` and
-    ``x(n+1-k)`` with the largest ``k`` for which the binomial(n, 1/2) chance of falling outside them stays
-    within ``1 - confidence``; the whole range when there are too few values for that."""
-    ordered, n = sorted(values), len(values)
-    k = 0
-    while k + 1 <= n // 2:
-        outside = 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # beyond x(k+1)..x(n-k)
-        if outside > 1 - confidence:
-            break
-        k += 1
-    if k == 0:
-        return ordered[0], ordered[-1]
-    return ordered[k - 1], ordered[n - k]
-
-
 def _settled(ratio: dict) -> str:
     """A figure's interval in percent, and what it says of the target."""
     low, high = (100 * (r - 1) for r in ratio["interval"])
@@ -212,16 +223,19 @@ SHOWN = (
 
 
 def render(result: dict) -> str:
+    runs, ratios, steady = result["runs"], result["ratios"], result["steady_ttft"]
+    rate, steady_rate = result["workload"]["rate_rps"], result["workload"]["steady_rate_rps"]
     headers = ["round"]
     for _, label in SHOWN:
         headers += [f"{label} off", "on", "on/off"]
-    runs, ratios = result["runs"], result["ratios"]
+    headers += [f"TTFT p50 @{steady_rate:g} off", "on", "on/off"]
     rows = []
     for index, (off, on) in enumerate(zip(runs["off"], runs["on"], strict=True)):
         row: list[object] = [index + 1]
         for name, _ in SHOWN:
             row += [FIGURES[name](off), FIGURES[name](on), f"{ratios[name]['per_round'][index]:.3f}"]
-        rows.append(row)
+        p50s = [statistics.median(run["steady_ttft_ms"]) for run in (off, on)]
+        rows.append(row + [*p50s, f"{p50s[1] / p50s[0]:.3f}"])
     median: list[object] = ["median"]
     interval: list[object] = [f"{CONFIDENCE:.0%} CI"]
     for name, _ in SHOWN:
@@ -232,20 +246,25 @@ def render(result: dict) -> str:
         ]
         low, high = ratios[name]["interval"]
         interval += ["", "", f"{low:.3f}-{high:.3f}"]
+    median += [steady["p50_ms"]["off"], steady["p50_ms"]["on"], f"{steady['ratio']:.3f}"]
+    interval += ["", "", "{:.3f}-{:.3f}".format(*steady["interval"])]
     rows += [median, interval]
-    throughput, ttft, cpu = (ratios[name] for name, _ in SHOWN)
-    verdict = all(abs(r["median"] - 1) < TARGET_PCT / 100 for r in (throughput, ttft))
+    throughput, queued, cpu = (ratios[name] for name, _ in SHOWN)
+    verdict = all(abs(r - 1) < TARGET_PCT / 100 for r in (throughput["median"], steady["ratio"]))
     work = result["telemetry_cpu_us_per_request"]
     return "\n".join(
         [
-            "latencies in ms; 'on' exports traces and metrics by OTLP/HTTP to a local receiver; "
-            "on/off: that round's ratio, the median ratio over the rounds, and its confidence interval",
+            f"latencies in ms; 'on' exports traces and metrics by OTLP/HTTP to a local receiver; each round "
+            f"sends {rate:g} req/s (above capacity: tokens/s, and TTFT p50 as queueing) and {steady_rate:g} "
+            "req/s (within capacity: TTFT p50); on/off: that round's ratio; median row: the median of the "
+            f"rounds' ratios, except TTFT p50 @{steady_rate:g}: the p50 of all rounds' requests pooled",
             format_table(headers, rows),
-            f"on vs off (median of the rounds' ratios): output tokens/s {_pct(throughput['median'])}, "
-            f"TTFT p50 {_pct(ttft['median'])} (target: both within {TARGET_PCT:g} %: "
-            f"{'met' if verdict else 'not met'}); server CPU per output token {_pct(cpu['median'])}",
-            f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; "
-            f"TTFT p50 {_settled(ttft)}",
+            f"on vs off: output tokens/s {_pct(throughput['median'])}, TTFT p50 at {steady_rate:g} req/s "
+            f"{_pct(steady['ratio'])} ({steady['requests']['on']} requests; target: both within "
+            f"{TARGET_PCT:g} %: {'met' if verdict else 'not met'}); TTFT p50 at {rate:g} req/s "
+            f"{_pct(queued['median'])}; server CPU per output token {_pct(cpu['median'])}",
+            f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; TTFT p50 at "
+            f"{steady_rate:g} req/s {_settled(steady)}; TTFT p50 at {rate:g} req/s {_settled(queued)}",
             "both servers chose " + result["kernels"]["off"]
             if len(set(result["kernels"].values())) == 1
             else f"the servers chose differently (the modes are not comparable): {result['kernels']}",
@@ -259,7 +278,9 @@ def render(result: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.rounds < 1 or args.requests < 1 or args.rate <= 0:
-        raise SystemExit("weir bench telemetry: error: --rounds, --requests and --rate must be positive")
+    if args.rounds < 1 or args.requests < 1 or args.rate <= 0 or args.ttft_rate <= 0:
+        raise SystemExit(
+            "weir bench telemetry: error: --rounds, --requests, --rate and --ttft-rate must be positive"
+        )
     publish(run(args), args.out, render)
     return 0
