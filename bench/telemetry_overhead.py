@@ -3,13 +3,16 @@
     weir bench telemetry --quick --rounds 12 --requests 16
 
 "Off" is a server with no ``OTEL_*`` variable (nothing exported; ``/metrics`` still served). "On" exports
-traces and metrics by OTLP/HTTP to a receiver in a process of its own (``bench/otlp_receiver.py``, which decodes
-every payload as a collector would) and logs JSON lines. Both servers run side by side on one database and
-first serve one unmeasured warm-up load each. Then, for ``--rounds`` rounds, each server in turn (off first
-in even rounds, on first in odd ones) gets two seeded loads with fresh prompts (no round finds an earlier
-one's prompts cached): one arriving faster than it drains (``--rate``), whose output tokens/s is the
-server's capacity, and one it keeps up with (``--ttft-rate``), whose time to first token is what a client
-of a server within its capacity waits.
+traces and metrics by OTLP/HTTP to a receiver in a process of its own (``bench/otlp_receiver.py``, which
+decodes every payload as a collector would) and logs JSON lines. Both servers run side by side on one
+database. In each round, each server in turn (off first in even rounds, on first in odd ones) gets two
+seeded loads with fresh prompts (no round finds an earlier one's prompts cached): one arriving faster than
+it drains (``--rate``), whose output tokens/s is the server's capacity, and one it keeps up with
+(``--ttft-rate``), whose time to first token is what a client of a server within its capacity waits.
+The servers start off first for the first half of the rounds, and are restarted on first for the second
+half (each start is followed by one unmeasured warm-up load): with telemetry off in both, the server
+started second answered 3 % slower at the median in one run, so a fixed start order would be counted
+as telemetry's.
 
 Throughput is compared round by round: each round's on/off ratio, their median and its distribution-free
 95 % interval (pairing within a round cancels the machine's slow drifts). TTFT is compared on the
@@ -38,6 +41,7 @@ from bench.http_load import run_load, served_model
 from bench.latency import summarize
 from bench.otlp_receiver import Receiver, otlp_receiver
 from bench.paired_rounds import median_interval, pooled_ratio
+from bench.peer_server import free_port
 from bench.report import format_table, progress, publish
 from bench.serve import build_load
 from bench.soak import soak_database
@@ -71,52 +75,45 @@ def _server_env(mode: str, receiver: Receiver) -> tuple[dict[str, str], tuple[st
 
 def run(args: argparse.Namespace) -> dict:
     from bench.model import bench_model_dir, load_tokenizer
-    from bench.peer_server import free_port
 
     model_dir = bench_model_dir(args.model, "telemetry")
     tokenizer = load_tokenizer(model_dir)
     shape = QUICK if args.quick else FULL
     spec = WorkloadSpec(args.requests, shape.prompt_len, shape.output_len, seed=args.seed)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    kernels: dict[str, set[str]] = {mode: set() for mode in MODES}
     with (
         tempfile.TemporaryDirectory(prefix="weir-bench-telemetry-") as tmp,
         soak_database(Path(tmp)) as url,
         otlp_receiver() as receiver,
-        ExitStack() as stack,
     ):
-        keys = asyncio.run(create_soak_tenants(url, ttft_target_s=UNBOUNDED_TTFT_S)).keys
+        keys = list(asyncio.run(create_soak_tenants(url, ttft_target_s=UNBOUNDED_TTFT_S)).keys)
         progress(f"timing telemetry's own work over {WORK_REQUESTS} requests in this process")
         work_us = {"off": cpu_us_per_request(None, WORK_REQUESTS)}
         work_us["on"] = cpu_us_per_request(receiver.endpoint, WORK_REQUESTS)
         spans_before = len(receiver.snapshot())
-        servers = {}
-        for mode in MODES:
-            env, options = _server_env(mode, receiver)
-            state = Path(tmp) / mode
-            state.mkdir()
-            progress(f"starting weir serve with telemetry {mode}")
-            options = ("--dtype", args.dtype, "--log-level", "info", *options)  # on: a JSON line a request
-            try:
-                servers[mode] = stack.enter_context(
-                    weir_serve(model_dir, free_port(), url, state, *options, env=env)
-                )
-            except ServerError as exc:
-                raise SystemExit(f"weir bench telemetry: error: {exc}") from None
-        model = asyncio.run(served_model(servers["off"].v1, keys[0]))
-        warm_up = build_load(tokenizer, spec, args.rate, list(keys), args.rounds)  # a prompt set of its own
-        for mode in MODES:  # first-use costs (code paths, connections, caches) out of the rounds
-            progress(f"warm-up: telemetry {mode}, {len(warm_up)} requests")
-            asyncio.run(run_load(servers[mode].v1, model, warm_up))
-        for round_index in range(args.rounds):
-            load = build_load(tokenizer, spec, args.rate, list(keys), round_index)
-            steady = build_load(tokenizer, spec, args.ttft_rate, list(keys), args.rounds + 1 + round_index)
-            order = MODES if round_index % 2 == 0 else MODES[::-1]  # neither mode always goes first
-            for mode in order:  # the idle server waits on an event: it takes no CPU from the loaded one
-                progress(f"round {round_index + 1}/{args.rounds}: telemetry {mode}, {len(load)} requests")
-                summary = _measure(servers[mode], model, load, args)
-                summary["steady_ttft_ms"] = _ttfts_ms(servers[mode], model, steady)
-                runs[mode].append(summary)
-        kernels = {mode: _kernel_choice(server.log_path) for mode, server in servers.items()}
+        warm_up = build_load(tokenizer, spec, args.rate, keys, args.rounds)  # a prompt set of its own
+        halves = (range(args.rounds // 2), range(args.rounds // 2, args.rounds))
+        for half, (start_order, rounds) in enumerate(zip((MODES, MODES[::-1]), halves, strict=True)):
+            if not rounds:
+                continue
+            with ExitStack() as stack:
+                servers = {
+                    mode: _start(stack, mode, receiver, model_dir, url, Path(tmp) / f"{mode}-{half}", args)
+                    for mode in start_order
+                }
+                model = asyncio.run(served_model(servers["off"].v1, keys[0]))
+                for mode in MODES:  # first-use costs (code paths, connections, caches) out of the rounds
+                    progress(f"warm-up: telemetry {mode}, {len(warm_up)} requests")
+                    asyncio.run(run_load(servers[mode].v1, model, warm_up))
+                for round_index in rounds:
+                    loads = (
+                        build_load(tokenizer, spec, args.rate, keys, round_index),
+                        build_load(tokenizer, spec, args.ttft_rate, keys, args.rounds + 1 + round_index),
+                    )
+                    _round(servers, model, loads, round_index, args, runs)
+                for mode, server in servers.items():
+                    kernels[mode].add(_kernel_choice(server.log_path))
         metric_names = sorted(receiver.metric_names)
         spans = len(receiver.snapshot()) - spans_before
     medians = {mode: _medians(runs[mode]) for mode in MODES}
@@ -138,12 +135,49 @@ def run(args: argparse.Namespace) -> dict:
         "steady_ttft": _steady_ttft(runs),
         "otlp_metrics_received": metric_names,
         "otlp_spans_received": spans,
-        "kernels": kernels,
+        "kernels": {mode: "; ".join(sorted(choices)) for mode, choices in kernels.items()},
         "telemetry_cpu_us_per_request": {mode: round(us, 1) for mode, us in work_us.items()},
         "telemetry_share_of_request_cpu_pct": round(
             100 * (work_us["on"] - work_us["off"]) / (1000 * medians["off"]["cpu_ms_per_request"]), 3
         ),
     }
+
+
+def _round(
+    servers: dict[str, WeirProcess],
+    model: str,
+    loads: tuple[list, list],
+    index: int,
+    args: argparse.Namespace,
+    runs: dict[str, list[dict]],
+) -> None:
+    """One round: the overloading and the steady load to each server in turn (off first in even rounds)."""
+    load, steady = loads
+    for mode in MODES if index % 2 == 0 else MODES[::-1]:  # the idle server takes no CPU from the loaded one
+        progress(f"round {index + 1}/{args.rounds}: telemetry {mode}, {len(load)} + {len(steady)} requests")
+        summary = _measure(servers[mode], model, load, args)
+        summary["steady_ttft_ms"] = _ttfts_ms(servers[mode], model, steady)
+        runs[mode].append(summary)
+
+
+def _start(
+    stack: ExitStack,
+    mode: str,
+    receiver: Receiver,
+    model_dir: Path,
+    url: str,
+    state: Path,
+    args: argparse.Namespace,
+) -> WeirProcess:
+    """Start the server of ``mode`` (stopped when ``stack`` closes)."""
+    env, options = _server_env(mode, receiver)
+    state.mkdir()
+    progress(f"starting weir serve with telemetry {mode}")
+    options = ("--dtype", args.dtype, "--log-level", "info", *options)  # on: a JSON line a request
+    try:
+        return stack.enter_context(weir_serve(model_dir, free_port(), url, state, *options, env=env))
+    except ServerError as exc:
+        raise SystemExit(f"weir bench telemetry: error: {exc}") from None
 
 
 def _measure(server: WeirProcess, model: str, load: list, args: argparse.Namespace) -> dict:

@@ -19,7 +19,9 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,11 +31,27 @@ from engine.weights import state_dir_from_env
 log = logging.getLogger("weir.engine")
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_loaded: dict[str, bool] = {}  # extension name -> whether it loaded (and passed its check), once a process
+_loaded_lock = threading.Lock()
 
 
 def kernel_dir() -> Path:
     """Where built kernels are kept: ``$WEIR_KERNEL_DIR``, else ``<state_dir>/kernels``."""
     return Path(os.environ.get("WEIR_KERNEL_DIR") or state_dir_from_env() / "kernels")
+
+
+def extension_ready(
+    name: str, source: Path, what: str, fallback: str, check: Callable[[], bool] | None = None
+) -> bool:
+    """``load_extension`` the first time it is asked for ``name`` in this process (callers on any thread
+    wait for that one build), then ``check`` (a probe of the loaded ops), if given; the answer is kept."""
+    ready = _loaded.get(name)
+    if ready is not None:
+        return ready
+    with _loaded_lock:
+        if name not in _loaded:
+            _loaded[name] = load_extension(name, source, what, fallback) and (check is None or check())
+        return _loaded[name]
 
 
 def load_extension(name: str, source: Path, what: str, fallback: str) -> bool:

@@ -8,31 +8,21 @@ one warning is logged and the model keeps the torch ops (``engine.models.llama``
 
 from __future__ import annotations
 
-import functools
-import threading
 from pathlib import Path
 
 import torch
 
-from engine.models.extension import load_extension
+from engine.models.extension import extension_ready
 
 SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
 NAME = "weir_layer_ops"
-_load_lock = threading.Lock()
 
 
 def fused_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the fused ops run a model of ``dtype`` on ``device`` (bf16 on a CPU, the extension built)."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
-    with _load_lock:
-        return _load()
-
-
-@functools.cache
-def _load() -> bool:
-    what, fallback = "fused layer ops", "bf16 layers keep their torch ops"
-    return load_extension(NAME, SOURCE, what, fallback)
+    return extension_ready(NAME, SOURCE, "fused layer ops", "bf16 layers keep their torch ops")
 
 
 def silu_mul_available() -> bool:

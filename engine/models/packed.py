@@ -15,21 +15,18 @@ weight instead of 32, so a decode step, which reads every weight once, moves a f
 
 from __future__ import annotations
 
-import functools
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine.models.extension import load_extension
+from engine.models.extension import extension_ready
 
 SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
 NAME = "weir_packed_linear"
 BLOCK = 32  # weights per block along the input dimension
 ENCODE_ROWS = 4096  # rows encoded at a time (bounds the encoder's temporary memory)
-_load_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -80,14 +77,8 @@ class Packed:
 def packed_kernel_available() -> bool:
     """Build (first time only) and load the kernel; False, with a warning logged once, if that fails or it
     was compiled without F16C and AVX-512 or AVX2 + FMA (its scalar loop is no faster than the dense path)."""
-    with _load_lock:
-        return _load()
-
-
-@functools.cache
-def _load() -> bool:
     what, fallback = "packed weight kernel", "dense layers keep their fp32 weights"
-    return load_extension(NAME, SOURCE, what, fallback) and bool(torch.ops.weir_quant.simd())
+    return extension_ready(NAME, SOURCE, what, fallback, lambda: bool(torch.ops.weir_quant.simd()))
 
 
 def reference_dequantize(packed: PackedMatrix) -> torch.Tensor:

@@ -7,22 +7,19 @@ reference gather + SDPA path.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.batch import StepBatch
-from engine.models.extension import load_extension
+from engine.models.extension import extension_ready
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 NAME = "weir_paged_attention"
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel is compiled for
-_load_lock = threading.Lock()
 
 
 def kernel_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -32,21 +29,14 @@ def kernel_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 def kernel_available() -> bool:
     """Build (first time only) and load the extension; False, with a warning logged once, if that fails."""
-    with _load_lock:
-        return _load()
+    what, fallback = "paged attention kernel", "attention falls back to the reference gather + SDPA"
+    return extension_ready(NAME, SOURCE, what, fallback)
 
 
 def matrix_path() -> bool:
     """Whether bf16 prefill chunks take the kernel's matrix path now (bf16 matrix or dot instructions on this
     CPU, oneDNN enabled in torch); False where the kernel is not available."""
     return kernel_available() and bool(torch.ops.weir.paged_attention_matrix_path())
-
-
-@functools.cache
-def _load() -> bool:
-    return load_extension(
-        NAME, SOURCE, "paged attention kernel", "attention falls back to the reference gather + SDPA"
-    )
 
 
 @dataclass(frozen=True)

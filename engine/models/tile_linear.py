@@ -11,18 +11,15 @@ exactly here, the kernel is simply not offered.
 
 from __future__ import annotations
 
-import functools
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.models.extension import load_extension
+from engine.models.extension import extension_ready
 
 SOURCE = Path(__file__).with_name("csrc") / "tile_linear.cpp"
 NAME = "weir_tile_linear"
-_load_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -37,14 +34,11 @@ def tile_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel runs ``dtype`` on ``device``: bf16 on a CPU, built, exact on a probe product."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    with _load_lock:
-        return _load()
+    what, fallback = "tiled bf16 matrix products", "products keep oneDNN's and aten's"
+    return extension_ready(NAME, SOURCE, what, fallback, _exact_on_a_probe)
 
 
-@functools.cache
-def _load() -> bool:
-    if not load_extension(NAME, SOURCE, "tiled bf16 matrix products", "products keep oneDNN's and aten's"):
-        return False
+def _exact_on_a_probe() -> bool:
     # small integers are exact in bf16 and in fp32 sums, so a working kernel gives the product bit for bit
     x = (torch.arange(3 * 6) % 7 - 3).view(3, 6).to(torch.bfloat16)
     w = (torch.arange(40 * 6) % 5 - 2).view(40, 6).to(torch.bfloat16)
