@@ -233,6 +233,12 @@ def _ratios(runs: dict[str, list[dict]], read) -> dict:
     }
 
 
+def _interval(ratio: dict) -> str:
+    """A figure's interval in percent."""
+    low, high = (100 * (r - 1) for r in ratio["interval"])
+    return f"{low:+.2f} % to {high:+.2f} %"
+
+
 def _settled(ratio: dict) -> str:
     """A figure's interval in percent, and what it says of the target."""
     low, high = (100 * (r - 1) for r in ratio["interval"])
@@ -242,7 +248,7 @@ def _settled(ratio: dict) -> str:
         word = "beyond the target"
     else:
         word = "too wide to settle the target"
-    return f"{low:+.2f} % to {high:+.2f} %, {word}"
+    return f"{_interval(ratio)}, {word}"
 
 
 def _pct(ratio: float) -> str:
@@ -298,7 +304,8 @@ def render(result: dict) -> str:
             f"{TARGET_PCT:g} %: {'met' if verdict else 'not met'}); TTFT p50 at {rate:g} req/s "
             f"{_pct(queued['median'])}; server CPU per output token {_pct(cpu['median'])}",
             f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; TTFT p50 at "
-            f"{steady_rate:g} req/s {_settled(steady)}; TTFT p50 at {rate:g} req/s {_settled(queued)}",
+            f"{steady_rate:g} req/s {_settled(steady)}; TTFT p50 at {rate:g} req/s {_interval(queued)} "
+            "(not judged)",
             "both servers chose " + result["kernels"]["off"]
             if len(set(result["kernels"].values())) == 1
             else f"the servers chose differently (the modes are not comparable): {result['kernels']}",
