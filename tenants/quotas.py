@@ -86,6 +86,7 @@ RETURN_SQL = sa.text(
 _EPSILON = 1e-9
 HORIZON_S = 1.0  # seconds of recent demand a slice is sized for
 _MAX_TOP_UPS = 4  # background acquires in flight at once
+_FIRST_READ_ATTEMPTS = 3  # reads of a tenant's row for its first allowance (each a racing move dropped)
 _TOP_UP_AT = 0.5  # a background acquire starts when the free slice falls below this share of its size
 
 
@@ -324,10 +325,13 @@ class QuotaManager:
         return piece
 
     async def allowance(self, tenant_id: int) -> Allowance | None:
-        """What ``tenant_id`` has left now (module docstring); reads its row once if this process has not
-        yet. ``None`` for an unknown tenant; raises SQLAlchemy's errors when that read fails."""
+        """What ``tenant_id`` has left now (module docstring); reads its row if this process has not yet
+        (again, up to ``_FIRST_READ_ATTEMPTS`` reads, when a grant or give-back raced the read). ``None``
+        for an unknown tenant; raises SQLAlchemy's errors when that read fails."""
         piece = self._slice(tenant_id)
-        if piece.seen_at is None:
+        for _ in range(_FIRST_READ_ATTEMPTS):  # a grant or give-back during a read makes it drop that reading
+            if piece.seen_at is not None:
+                break
             await self._read([tenant_id])
         return piece.allowance(time.monotonic())
 

@@ -215,6 +215,32 @@ async def test_allowance_follows_reservations_extensions_and_settles(db_engine):
     await manager.close()
 
 
+async def test_a_first_allowance_read_raced_by_a_grant_is_read_again(db_engine):
+    """A grant landing while the tenant's row is read drops that reading (it may predate the grant); the
+    allowance reads again rather than answering None, which left a tenant's first answer without its
+    ``x-ratelimit-*`` headers."""
+    tenant = await create_tenant(db_engine, "raced", quota=Quotas(cost_per_minute=600, max_concurrency=4))
+    manager = _quiet(db_engine)
+    reads = 0
+
+    def statement(conn, cursor, sql, params, context, executemany) -> None:  # noqa: PLR0913 - the event
+        nonlocal reads
+        if "FROM quota_state AS s" in sql:
+            reads += 1
+            if reads == 1:
+                manager._slice(tenant.id).moved(0.0, 0)  # as a grant to this process would, mid-read
+
+    sa.event.listen(manager.engine.sync_engine, "before_cursor_execute", statement)
+    try:
+        allowance = await manager.allowance(tenant.id)
+    finally:
+        sa.event.remove(manager.engine.sync_engine, "before_cursor_execute", statement)
+    assert reads == 2
+    assert allowance is not None
+    assert allowance.rate.limit == 600 and allowance.concurrency == Limit(4, 4, None)
+    await manager.close()
+
+
 async def test_allowance_sees_another_process_at_its_next_sync(db_engine):
     tenant = await create_tenant(db_engine, "shared", quota=Quotas(cost_per_minute=600, max_concurrency=4))
     here, there = _quiet(db_engine), _quiet(db_engine)
