@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -154,8 +155,7 @@ def _read_port(process: subprocess.Popen) -> int:
 def serve(directory: Path) -> None:
     """Receive exports on a free local port until terminated, each payload written (decompressed) to
     ``directory`` as ``<sequence>.<signal>.pb``; the port is printed first."""
-    sequence = iter(range(1, 1 << 62))
-    sequence_lock = threading.Lock()
+    sequence = itertools.count(1)  # next() on it is atomic: the handler threads need no lock
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the http.server interface
@@ -166,8 +166,7 @@ def serve(directory: Path) -> None:
                 return
             if self.headers.get("content-encoding") == "gzip":
                 body = gzip.decompress(body)
-            with sequence_lock:
-                number = next(sequence)
+            number = next(sequence)
             partial = directory / f"{number}.{signal}.part"
             partial.write_bytes(body)
             partial.rename(directory / f"{number}.{signal}.pb")  # whole once it has its name

@@ -16,6 +16,8 @@ import math
 import random
 from collections.abc import Sequence
 
+from bench.latency import percentile
+
 RESAMPLES = 2000  # of the round bootstrap
 
 
@@ -35,15 +37,11 @@ def median_interval(values: list[float], confidence: float) -> tuple[float, floa
     return ordered[k - 1], ordered[n - k]
 
 
-def percentile(values: Sequence[float], pct: float) -> float:
-    """The ``pct`` percentile, linearly interpolated between the nearest ranks."""
-    if not values:
+def _percentile(values: Sequence[float], pct: float) -> float:
+    value = percentile(values, pct)
+    if value is None:
         raise ValueError("no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * pct / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return value
 
 
 def pooled_ratio(
@@ -61,15 +59,15 @@ def pooled_ratio(
     def ratio(rounds: Sequence[int]) -> float:
         pooled_base = [v for r in rounds for v in base[r]]
         pooled_other = [v for r in rounds for v in other[r]]
-        return percentile(pooled_other, pct) / percentile(pooled_base, pct)
+        return _percentile(pooled_other, pct) / _percentile(pooled_base, pct)
 
     everything = range(len(base))
     rng = random.Random(seed)
     draws = sorted(ratio(rng.choices(everything, k=len(base))) for _ in range(RESAMPLES))
     tail = (1 - confidence) / 2
     return {
-        "base": percentile([v for r in base for v in r], pct),
-        "other": percentile([v for r in other for v in r], pct),
+        "base": _percentile([v for r in base for v in r], pct),
+        "other": _percentile([v for r in other for v in r], pct),
         "ratio": ratio(everything),
-        "interval": [percentile(draws, 100 * tail), percentile(draws, 100 * (1 - tail))],
+        "interval": [_percentile(draws, 100 * tail), _percentile(draws, 100 * (1 - tail))],
     }
