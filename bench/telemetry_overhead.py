@@ -233,22 +233,17 @@ def _ratios(runs: dict[str, list[dict]], read) -> dict:
     }
 
 
-def _interval(ratio: dict) -> str:
-    """A figure's interval in percent."""
+def _interval(ratio: dict, judged: bool = True) -> str:
+    """A figure's interval in percent, and what it says of the target when ``judged``."""
     low, high = (100 * (r - 1) for r in ratio["interval"])
-    return f"{low:+.2f} % to {high:+.2f} %"
-
-
-def _settled(ratio: dict) -> str:
-    """A figure's interval in percent, and what it says of the target."""
-    low, high = (100 * (r - 1) for r in ratio["interval"])
+    bounds = f"{low:+.2f} % to {high:+.2f} %"
+    if not judged:
+        return f"{bounds} (not judged)"
     if low > -TARGET_PCT and high < TARGET_PCT:
-        word = "inside the target"
-    elif high <= -TARGET_PCT or low >= TARGET_PCT:
-        word = "beyond the target"
-    else:
-        word = "too wide to settle the target"
-    return f"{_interval(ratio)}, {word}"
+        return f"{bounds}, inside the target"
+    if high <= -TARGET_PCT or low >= TARGET_PCT:
+        return f"{bounds}, beyond the target"
+    return f"{bounds}, too wide to settle the target"
 
 
 def _pct(ratio: float) -> str:
@@ -303,9 +298,9 @@ def render(result: dict) -> str:
             f"{_pct(steady['ratio'])} ({steady['requests']['on']} requests; target: both within "
             f"{TARGET_PCT:g} %: {'met' if verdict else 'not met'}); TTFT p50 at {rate:g} req/s "
             f"{_pct(queued['median'])}; server CPU per output token {_pct(cpu['median'])}",
-            f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_settled(throughput)}; TTFT p50 at "
-            f"{steady_rate:g} req/s {_settled(steady)}; TTFT p50 at {rate:g} req/s {_interval(queued)} "
-            "(not judged)",
+            f"{CONFIDENCE:.0%} confidence intervals: output tokens/s {_interval(throughput)}; TTFT p50 at "
+            f"{steady_rate:g} req/s {_interval(steady)}; TTFT p50 at {rate:g} req/s "
+            f"{_interval(queued, judged=False)}",
             "both servers chose " + result["kernels"]["off"]
             if len(set(result["kernels"].values())) == 1
             else f"the servers chose differently (the modes are not comparable): {result['kernels']}",
