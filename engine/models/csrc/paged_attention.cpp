@@ -67,6 +67,7 @@ constexpr int64_t kLanes = 16;  // keys per tile, and query rows scored together
 constexpr int64_t kManyRows = 8;  // from this many query rows, an item scores kLanes rows at once
 constexpr int64_t kChunk = 512;  // keys per softmax step, as in torch's CPU flash attention (kvSplitSize)
 constexpr int64_t kBlock = 64;  // keys per matrix multiply on the matrix path (kChunk is a multiple)
+constexpr int64_t kAheadTiles = 1;  // tiles a decode prefetches ahead of the one it reads
 constexpr int64_t kWholeRowItemsPerThread = 2;  // decodes per thread from which they take whole-row items
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -234,6 +235,45 @@ struct ItemView {
       ++at.block;
     }
     return row;
+  }
+
+  // The cache rows of `kLanes` keys from `start` of one cache (past the last key: `past`).
+  void rows_at(const void* cache, int64_t start, const scalar_t** tile, const scalar_t* past = nullptr) const {
+    const scalar_t* base = static_cast<const scalar_t*>(cache) + item.kv_head * kDim;
+    Cursor at = cursor(start);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const scalar_t* row = next_row(base, at);
+      tile[j] = row == nullptr ? past : row;
+    }
+  }
+
+  // The rows of tile `index` of a chunk of `length` keys from `chunk` (a multiple of kLanes): its tiles of keys,
+  // then its tiles of values, then none (all nullptr): the order a decode reads them in.
+  void chunk_rows_at(int64_t chunk, int64_t length, int64_t index, const scalar_t** tile) const {
+    if (index < length / kLanes) {
+      rows_at(p.key_cache, chunk + index * kLanes, tile);
+    } else if (index < 2 * length / kLanes) {
+      rows_at(p.value_cache, chunk + index * kLanes - length, tile);
+    } else {
+      std::fill(tile, tile + kLanes, nullptr);
+    }
+  }
+
+  // Prefetches the first kAheadTiles tiles of the item's first chunk (of `length` keys), using `tile`.
+  void prefetch_first(int64_t length, const scalar_t** tile) const {
+    for (int64_t index = 0; index < kAheadTiles; ++index) {
+      chunk_rows_at(0, length, index, tile);
+      prefetch_share(tile, 0, 1);
+    }
+  }
+
+  // Prefetches share `share` of `shares` of a tile's rows (from rows_at): keys share, share + shares, ...
+  // Spread over the work on an earlier tile, the requests keep the memory busy without stalling it.
+  void prefetch_share(const scalar_t* const* tile, int64_t share, int64_t shares) const {
+    for (int64_t j = share; j < kLanes; j += shares) {
+      if (tile[j] == nullptr) continue;
+      for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(tile[j] + d);
+    }
   }
 
   // The cache rows of `kLanes` keys from `start` of one cache (keys past the last point at `zero_row`), with
@@ -446,6 +486,37 @@ constexpr int64_t interleaved_dim(int64_t vector, int64_t lane) {
   return (vector / 2) * kDotLanes + (lane / 4) * 8 + (vector % 2) * 4 + lane % 4;
 }
 
+// Each pair of a tile's value rows (`vectors` bf16 vectors of the item's heads), interleaved for the
+// bf16 pair instructions: pair j / 2 of the tile at dst + j / 2 * pair_stride, vector c of the rows as
+// vectors 2c and 2c + 1 there (each holding the pairs of its dims in interleaved_dim's order).
+inline void interleave_pairs(const uint16_t* const* tile, int64_t vectors, int64_t pair_stride, uint16_t* dst) {
+  for (int64_t j = 0; j < kLanes; j += 2) {
+    uint16_t* pair = dst + j / 2 * pair_stride;
+    for (int64_t c = 0; c < vectors; ++c) {
+      const __m512i even = _mm512_loadu_si512(tile[j] + c * kDotLanes);
+      const __m512i odd = _mm512_loadu_si512(tile[j + 1] + c * kDotLanes);
+      _mm512_storeu_si512(pair + 2 * c * kDotLanes, _mm512_unpacklo_epi16(even, odd));
+      _mm512_storeu_si512(pair + (2 * c + 1) * kDotLanes, _mm512_unpackhi_epi16(even, odd));
+    }
+  }
+}
+
+// The item's output from accumulators [count][kDim] whose dims are in interleaved_dim's order (put back
+// in place first) and its rows' softmax sums.
+template <int64_t kDim>
+void write_interleaved(const Problem& p, const WorkItem& item, float* acc, const float* row_sum) {
+  constexpr int64_t kSums = 2 * kDim / kDotLanes;
+  const ItemView<at::BFloat16, kDim> view(p, item);
+  for (int64_t row = 0; row < view.count; ++row) {
+    float natural[kDim];
+    for (int64_t v = 0; v < kSums; ++v) {
+      for (int64_t lane = 0; lane < kLanes; ++lane) natural[interleaved_dim(v, lane)] = acc[row * kDim + v * kLanes + lane];
+    }
+    std::memcpy(acc + row * kDim, natural, sizeof(natural));
+  }
+  view.write(acc, row_sum);
+}
+
 template <int64_t kDim>
 void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scratch) {
   constexpr int64_t kVectors = kDim / kDotLanes;  // bf16 vectors in a row
@@ -471,13 +542,19 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
   for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
 
   const uint16_t* tile[kLanes];
+  const uint16_t* ahead[kLanes];
+  const int64_t shares = std::min(count, kLanes);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+    // the chunk's tiles of keys, then of values, each prefetched kAheadTiles tiles before it is read
+    if (chunk == 0) view.prefetch_first(length, ahead);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      view.tile_rows(p.key_cache, chunk + offset, tile, zero_row);
+      view.rows_at(p.key_cache, chunk + offset, tile, zero_row);
+      view.chunk_rows_at(chunk, length, offset / kLanes + kAheadTiles, ahead);
       for (int64_t row = 0; row < count; ++row) {
         const Vec row_scores = dot_tile_bf16<kDim>(queries + row * kDim, tile, view.head_offset(row));
         store(scores + row * kChunk + offset, row_scores);
+        if (row < shares) view.prefetch_share(ahead, row, shares);
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -487,16 +564,9 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
                                                [&](int64_t j, Vec w) { store_bf16_bits(row_weights + j, w); });
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      view.tile_rows(p.value_cache, chunk + offset, tile, zero_row);
-      for (int64_t j = 0; j < kLanes; j += 2) {
-        uint16_t* dst = pairs + j / 2 * pair_stride;
-        for (int64_t c = 0; c < item.heads * kVectors; ++c) {
-          const __m512i even = _mm512_loadu_si512(tile[j] + c * kDotLanes);
-          const __m512i odd = _mm512_loadu_si512(tile[j + 1] + c * kDotLanes);
-          _mm512_storeu_si512(dst + 2 * c * kDotLanes, _mm512_unpacklo_epi16(even, odd));
-          _mm512_storeu_si512(dst + (2 * c + 1) * kDotLanes, _mm512_unpackhi_epi16(even, odd));
-        }
-      }
+      view.rows_at(p.value_cache, chunk + offset, tile, zero_row);
+      view.chunk_rows_at(chunk, length, length / kLanes + offset / kLanes + kAheadTiles, ahead);
+      interleave_pairs(tile, item.heads * kVectors, pair_stride, pairs);
       for (int64_t row = 0; row < count; ++row) {
         const __m512 factor = _mm512_set1_ps(offset == 0 ? rescale[row] : 1.0f);
         float* row_acc = acc + row * kDim;
@@ -514,19 +584,14 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
           }
         }
         for (int64_t v = 0; v < kSums; ++v) _mm512_storeu_ps(row_acc + v * kLanes, sums[v]);
+        if (row < shares) view.prefetch_share(ahead, row, shares);
       }
     }
   }
-  for (int64_t row = 0; row < count; ++row) {
-    float natural[kDim];
-    for (int64_t v = 0; v < kSums; ++v) {
-      for (int64_t lane = 0; lane < kLanes; ++lane) natural[interleaved_dim(v, lane)] = acc[row * kDim + v * kLanes + lane];
-    }
-    std::memcpy(acc + row * kDim, natural, sizeof(natural));
-  }
-  ItemView<at::BFloat16, kDim>(p, item).write(acc, row_sum);
+  write_interleaved<kDim>(p, item, acc, row_sum);
 }
 #endif
+
 
 // An item's many query rows (a prefill chunk's), padded to whole vectors of kLanes rows whose softmax state
 // goes lane by lane.
