@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,11 @@ def test_the_ops_build_here_for_bf16_only() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 300])
-def test_rms_norm_rounds_as_the_torch_ops(tokens: int) -> None:
+@pytest.mark.parametrize("width", [576, 100])  # 100: six vectors of 16 values and a tail of 4
+def test_rms_norm_rounds_as_the_torch_ops(tokens: int, width: int) -> None:
     generator = torch.Generator().manual_seed(tokens)
-    x = (torch.randn(tokens, 576, generator=generator) * 4).bfloat16()
-    weight = torch.randn(576, generator=generator).bfloat16()
+    x = (torch.randn(tokens, width, generator=generator) * 4).bfloat16()
+    weight = torch.randn(width, generator=generator).bfloat16()
     assert torch.equal(layer_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
 
 
@@ -55,9 +57,16 @@ def test_silu_mul_rounds_as_the_torch_ops_for_every_bf16_gate() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_rope_and_cache_rotates_and_writes_as_the_torch_ops(tiny_model_dir: Path, tokens: int) -> None:
+@pytest.mark.parametrize(
+    "heads", [None, (9, 3, 64)], ids=["tiny", "smollm2"]
+)  # head_dim 16 takes the scalar rotation, 64 the vectors of 16 values (AVX-512)
+def test_rope_and_cache_rotates_and_writes_as_the_torch_ops(
+    tiny_model_dir: Path, tokens: int, heads: tuple[int, int, int] | None
+) -> None:
     generator = torch.Generator().manual_seed(tokens)
     config = ModelConfig.from_dir(tiny_model_dir)
+    if heads is not None:
+        config = dataclasses.replace(config, num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2])
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(tokens, width, generator=generator).bfloat16()

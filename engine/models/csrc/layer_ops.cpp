@@ -14,6 +14,7 @@
 //
 // A step of a few tokens runs each op as one call instead of the ten-odd torch ops it replaces, whose
 // dispatch costs more than their arithmetic. Tokens are spread over torch's threads for large steps.
+// With AVX-512, SiLU and RoPE run 16 values to a vector (the roundings as above, in the same order).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,9 +30,9 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #include <sleef.h>
-#define WEIR_SILU_MUL 1
+#define WEIR_AVX512 1
 #else
-#define WEIR_SILU_MUL 0
+#define WEIR_AVX512 0
 #endif
 
 namespace {
@@ -43,6 +44,30 @@ constexpr int kLanes = 16;  // partial sums of a norm's squares
 int64_t grain(int64_t per_token) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_token)); }
 
 inline bf16 round_product(float a, float b) { return bf16(a * b); }
+
+#if WEIR_AVX512
+// 16 bf16 values widened to fp32 (bf16 is the upper half of an fp32).
+inline __m512 widen(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 fp32 values rounded to bf16 (to nearest, ties to even; NaN to a quiet NaN), still as fp32.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i biased = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  __m512i rounded = _mm512_and_si512(biased, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(rounded);
+}
+
+// 16 fp32 values, already rounded to bf16 by round_bf16, stored as bf16.
+inline void store_bf16(__m512 rounded, bf16* out) {
+  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), halves);
+}
+#endif
 
 // Normalize `rows` rows of `cols` values from xp into op; with dp, first add dp's rows into xp (in place).
 void norm_rows(bf16* xp, const bf16* dp, const bf16* wp, int64_t rows, int64_t cols, float epsilon, bf16* op) {
@@ -111,42 +136,24 @@ at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta_in, const at:
   return out;
 }
 
-#if WEIR_SILU_MUL
-// 16 bf16 values widened to fp32 (bf16 is the upper half of an fp32).
-inline __m512 widen(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 fp32 values rounded to bf16 (to nearest, ties to even; NaN to a quiet NaN), still as fp32.
-inline __m512 round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i biased = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  __m512i rounded = _mm512_and_si512(biased, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  return _mm512_castsi512_ps(rounded);
-}
-
+#if WEIR_AVX512
 // silu(g) * u for 16 values, each rounded to bf16 as torch's silu then mul round them.
 inline void silu_mul16(const bf16* g, const bf16* u, bf16* out) {
   const __m512 x = widen(g);
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-  const __m512 product = round_bf16(_mm512_mul_ps(silu, widen(u)));
-  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), halves);
+  store_bf16(round_bf16(_mm512_mul_ps(silu, widen(u))), out);
 }
 #endif
 
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   check_bf16_rows(gate_up_in, "gate_up");
-  TORCH_CHECK(WEIR_SILU_MUL, "silu_mul needs AVX-512");
+  TORCH_CHECK(WEIR_AVX512, "silu_mul needs AVX-512");
   TORCH_CHECK(gate_up_in.size(1) % 32 == 0, "gate_up must have a multiple of 32 columns");
   const at::Tensor gate_up = gate_up_in.contiguous();
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-#if WEIR_SILU_MUL
+#if WEIR_AVX512
   const bf16* src = gate_up.data_ptr<bf16>();
   bf16* dst = out.data_ptr<bf16>();
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
@@ -159,11 +166,21 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-bool has_silu_mul() { return WEIR_SILU_MUL != 0; }
+bool has_silu_mul() { return WEIR_AVX512 != 0; }
 
 // Rotate one head of `dim` values from `src` into `dst` with the token's cos and signed sin.
 inline void rotate(const bf16* src, const bf16* cos, const bf16* sin, int64_t dim, bf16* dst) {
   const int64_t half = dim / 2;
+#if WEIR_AVX512
+  if (half % 16 == 0) {
+    for (int64_t i = 0; i < dim; i += 16) {
+      const __m512 direct = round_bf16(_mm512_mul_ps(widen(src + i), widen(cos + i)));
+      const __m512 crossed = round_bf16(_mm512_mul_ps(widen(src + (i < half ? i + half : i - half)), widen(sin + i)));
+      store_bf16(round_bf16(_mm512_add_ps(direct, crossed)), dst + i);
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < dim; ++i) {
     const float swapped = static_cast<float>(src[i < half ? i + half : i - half]);
     const float direct = static_cast<float>(round_product(static_cast<float>(src[i]), static_cast<float>(cos[i])));
