@@ -279,15 +279,10 @@ struct ItemView {
   // The cache rows of `kLanes` keys from `start` of one cache (keys past the last point at `zero_row`), with
   // a prefetch of the next tile's rows: a decode's KV comes from memory.
   void tile_rows(const void* cache, int64_t start, const scalar_t** tile, const scalar_t* zero_row) const {
-    const scalar_t* base = static_cast<const scalar_t*>(cache) + item.kv_head * kDim;
-    Cursor here = cursor(start), ahead = cursor(start + kLanes);
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const scalar_t* row = next_row(base, here);
-      tile[j] = row == nullptr ? zero_row : row;
-      if (const scalar_t* next = next_row(base, ahead)) {
-        for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(next + d);
-      }
-    }
+    const scalar_t* next[kLanes];
+    rows_at(cache, start + kLanes, next);
+    prefetch_share(next, 0, 1);
+    rows_at(cache, start, tile, zero_row);
   }
 
   // The same keys as fp32 rows of the item's heads (bf16 widened into `widened` [kLanes][heads][kDim]).
