@@ -58,15 +58,15 @@ def test_silu_mul_rounds_as_the_torch_ops_for_every_bf16_gate() -> None:
 
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 @pytest.mark.parametrize(
-    "heads", [None, (9, 3, 64)], ids=["tiny", "smollm2"]
-)  # head_dim 16 takes the scalar rotation, 64 the vectors of 16 values (AVX-512)
+    "shape", [None, (9, 3, 64)], ids=["tiny", "smollm2"]
+)  # (heads, KV heads, head size); head size 16 takes the scalar rotation, 64 vectors of 16 values (AVX-512)
 def test_rope_and_cache_rotates_and_writes_as_the_torch_ops(
-    tiny_model_dir: Path, tokens: int, heads: tuple[int, int, int] | None
+    tiny_model_dir: Path, tokens: int, shape: tuple[int, int, int] | None
 ) -> None:
     generator = torch.Generator().manual_seed(tokens)
     config = ModelConfig.from_dir(tiny_model_dir)
-    if heads is not None:
-        config = dataclasses.replace(config, num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2])
+    if shape is not None:
+        config = dataclasses.replace(config, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(tokens, width, generator=generator).bfloat16()

@@ -587,7 +587,6 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
 }
 #endif
 
-
 // An item's many query rows (a prefill chunk's), padded to whole vectors of kLanes rows whose softmax state
 // goes lane by lane.
 struct Rows {
