@@ -22,7 +22,9 @@
 //
 // On a CPU with the bf16 dot-product instruction (AVX512-BF16), a bf16 item with few rows takes the dot path
 // instead, for head sizes of whole 512-bit vectors: it reads keys and values as the cache holds them and
-// multiplies bf16 pairs into fp32 sums, where the generic path widens every row to fp32 first.
+// multiplies bf16 pairs into fp32 sums, where the generic path widens every row to fp32 first. While it
+// scores a tile of keys, it also prefetches into L2 the keys a tile further ahead and the values of the
+// keys ahead, so that more of a decode's reads from memory are in flight at once.
 //
 // On a CPU with bf16 matrix or dot-product instructions (AMX, AVX512-BF16), a bf16 item with many rows takes
 // the matrix path instead, when oneDNN's small-matrix kernel (torch's `cpublas::brgemm`) answers a probe
@@ -68,8 +70,11 @@ constexpr int64_t kManyRows = 8;  // from this many query rows, an item scores k
 constexpr int64_t kChunk = 512;  // keys per softmax step, as in torch's CPU flash attention (kvSplitSize)
 constexpr int64_t kBlock = 64;  // keys per matrix multiply on the matrix path (kChunk is a multiple)
 constexpr int64_t kAheadTiles = 1;  // tiles a decode prefetches ahead of the one it reads
+constexpr int64_t kFarTiles = 1;  // on the dot path, how much further ahead its keys go to L2
 constexpr int64_t kWholeRowItemsPerThread = 2;  // decodes per thread from which they take whole-row items
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum class CacheLevel { kL1, kL2 };  // where a prefetch puts its lines
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IntVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -269,10 +274,17 @@ struct ItemView {
 
   // Prefetches share `share` of `shares` of a tile's rows (from rows_at): keys share, share + shares, ...
   // Spread over the work on an earlier tile, the requests keep the memory busy without stalling it.
-  void prefetch_share(const scalar_t* const* tile, int64_t share, int64_t shares) const {
+  void prefetch_share(const scalar_t* const* tile, int64_t share, int64_t shares,
+                      CacheLevel to = CacheLevel::kL1) const {
     for (int64_t j = share; j < kLanes; j += shares) {
       if (tile[j] == nullptr) continue;
-      for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) __builtin_prefetch(tile[j] + d);
+      for (int64_t d = 0; d < item.heads * kDim; d += 64 / sizeof(scalar_t)) {
+        if (to == CacheLevel::kL1) {
+          __builtin_prefetch(tile[j] + d);
+        } else {
+          __builtin_prefetch(tile[j] + d, 0, 2);
+        }
+      }
     }
   }
 
@@ -538,18 +550,30 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
 
   const uint16_t* tile[kLanes];
   const uint16_t* ahead[kLanes];
+  const uint16_t* far_keys[kLanes];
+  const uint16_t* later_values[kLanes];
   const int64_t shares = std::min(count, kLanes);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
-    // the chunk's tiles of keys, then of values, each prefetched kAheadTiles tiles before it is read
+    const int64_t tiles = length / kLanes;
+    // the chunk's tiles of keys, then of values, each prefetched to L1 kAheadTiles tiles before it is read;
+    // while the keys are scored, keys kFarTiles further ahead and the values of the keys ahead go to L2, so
+    // that more reads are in flight than the L1 prefetches alone keep (a decode waits on memory)
     if (chunk == 0) view.prefetch_first(length, ahead);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
+      const int64_t next = offset / kLanes + kAheadTiles;
       view.rows_at(p.key_cache, chunk + offset, tile, zero_row);
-      view.chunk_rows_at(chunk, length, offset / kLanes + kAheadTiles, ahead);
+      view.chunk_rows_at(chunk, length, next, ahead);
+      view.chunk_rows_at(chunk, length, next + kFarTiles, far_keys);
+      view.chunk_rows_at(chunk, length, tiles + next, later_values);
       for (int64_t row = 0; row < count; ++row) {
         const Vec row_scores = dot_tile_bf16<kDim>(queries + row * kDim, tile, view.head_offset(row));
         store(scores + row * kChunk + offset, row_scores);
-        if (row < shares) view.prefetch_share(ahead, row, shares);
+        if (row < shares) {
+          view.prefetch_share(ahead, row, shares);
+          view.prefetch_share(far_keys, row, shares, CacheLevel::kL2);
+          view.prefetch_share(later_values, row, shares, CacheLevel::kL2);
+        }
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -560,7 +584,7 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
       view.rows_at(p.value_cache, chunk + offset, tile, zero_row);
-      view.chunk_rows_at(chunk, length, length / kLanes + offset / kLanes + kAheadTiles, ahead);
+      view.chunk_rows_at(chunk, length, tiles + offset / kLanes + kAheadTiles, ahead);
       interleave_pairs(tile, item.heads * kVectors, pair_stride, pairs);
       for (int64_t row = 0; row < count; ++row) {
         const __m512 factor = _mm512_set1_ps(offset == 0 ? rescale[row] : 1.0f);
