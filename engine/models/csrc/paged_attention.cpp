@@ -14,17 +14,16 @@
 //
 // An item takes one of three paths. An item with few query rows (a decode: one row per query head of the
 // group) scores a tile of kLanes keys per row as kLanes dot products folded into one vector, and runs the
-// softmax along the keys of each row; it prefetches the next tile's rows, since a decode's KV comes from
-// memory. An item with many rows (a prefill chunk) holds its queries transposed, [head_dim][rows], and
+// softmax along the keys of each row; since a decode's KV comes from memory, it prefetches the next tile's
+// rows into L1 and, while it scores keys, keys further ahead and the values of the keys ahead into L2, each
+// spread over the rows' work. An item with many rows (a prefill chunk) holds its queries transposed, [head_dim][rows], and
 // scores kLanes rows at once for each key, so every multiply-add fills a vector; its softmax state goes
 // lane by lane. The code uses GCC/Clang vector types; head_dim is a compile-time constant so that a row of
 // the accumulator stays in registers.
 //
 // On a CPU with the bf16 dot-product instruction (AVX512-BF16), a bf16 item with few rows takes the dot path
 // instead, for head sizes of whole 512-bit vectors: it reads keys and values as the cache holds them and
-// multiplies bf16 pairs into fp32 sums, where the generic path widens every row to fp32 first. While it
-// scores a tile of keys, it also prefetches into L2 the keys a tile further ahead and the values of the
-// keys ahead, so that more of a decode's reads from memory are in flight at once.
+// multiplies bf16 pairs into fp32 sums, where the generic path widens every row to fp32 first.
 //
 // On a CPU with bf16 matrix or dot-product instructions (AMX, AVX512-BF16), a bf16 item with many rows takes
 // the matrix path instead, when oneDNN's small-matrix kernel (torch's `cpublas::brgemm`) answers a probe
@@ -70,7 +69,7 @@ constexpr int64_t kManyRows = 8;  // from this many query rows, an item scores k
 constexpr int64_t kChunk = 512;  // keys per softmax step, as in torch's CPU flash attention (kvSplitSize)
 constexpr int64_t kBlock = 64;  // keys per matrix multiply on the matrix path (kChunk is a multiple)
 constexpr int64_t kAheadTiles = 1;  // tiles a decode prefetches ahead of the one it reads
-constexpr int64_t kFarTiles = 1;  // on the dot path, how much further ahead its keys go to L2
+constexpr int64_t kFarTiles = 1;  // how much further ahead a decode's keys go to L2
 constexpr int64_t kWholeRowItemsPerThread = 2;  // decodes per thread from which they take whole-row items
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -192,6 +191,7 @@ struct Scratch {
 // where each of its keys lives in the caches.
 template <typename scalar_t, int64_t kDim>
 struct ItemView {
+  using Scalar = scalar_t;
   const Problem& p;
   const WorkItem& item;
   int64_t per_query;  // query rows per query token
@@ -289,7 +289,7 @@ struct ItemView {
   }
 
   // The cache rows of `kLanes` keys from `start` of one cache (keys past the last point at `zero_row`), with
-  // a prefetch of the next tile's rows: a decode's KV comes from memory.
+  // a prefetch of the next tile's rows.
   void tile_rows(const void* cache, int64_t start, const scalar_t** tile, const scalar_t* zero_row) const {
     const scalar_t* next[kLanes];
     rows_at(cache, start + kLanes, next);
@@ -301,6 +301,11 @@ struct ItemView {
   void load_tile(const void* cache, int64_t start, const float** tile, float* widened, const float* zero_row) const {
     const scalar_t* rows[kLanes];
     tile_rows(cache, start, rows, nullptr);
+    widen_tile(rows, tile, widened, zero_row);
+  }
+
+  // A tile's rows (from rows_at; nullptr past the last key: `zero_row`) as fp32 rows of the item's heads.
+  void widen_tile(const scalar_t* const* rows, const float** tile, float* widened, const float* zero_row) const {
     for (int64_t j = 0; j < kLanes; ++j) {
       if (rows[j] == nullptr) {
         tile[j] = zero_row;
@@ -409,6 +414,53 @@ inline Vec dot_tile(const float* query, const float* const* keys, int64_t offset
   return fold_tile(parts);
 }
 
+// A decode's prefetches. It reads a chunk's tiles of keys, then of values; each tile goes to L1 kAheadTiles
+// tiles before it is read, and while the keys are scored, the keys kFarTiles tiles further ahead and the
+// values of the keys ahead go to L2, so that more reads from memory are in flight than the L1 prefetches
+// alone keep. Each tile's prefetches are spread over the work on an earlier one, a share after each query
+// row: a whole tile's lines requested at once fill the core's outstanding-miss slots and stall it. Its calls
+// are forced inline: GCC left them calls, and a decode took 1.8x as long.
+template <typename View>
+class DecodePrefetch {
+ public:
+  using Row = const typename View::Scalar*;
+
+  explicit DecodePrefetch(const View& view) : view_(view), shares_(std::min(view.count, kLanes)) {}
+
+  // Before the keys of tile `offset` (in keys) of the chunk from `chunk` of `length` keys are scored.
+  [[gnu::always_inline]] void keys(int64_t chunk, int64_t length, int64_t offset) {
+    if (chunk == 0 && offset == 0) view_.prefetch_first(length, ahead_);
+    const int64_t next = offset / kLanes + kAheadTiles;
+    view_.chunk_rows_at(chunk, length, next, ahead_);
+    view_.chunk_rows_at(chunk, length, next + kFarTiles, far_keys_);
+    view_.chunk_rows_at(chunk, length, length / kLanes + next, later_values_);
+    scoring_ = true;
+  }
+
+  // Before the values of tile `offset` of that chunk are weighted in.
+  [[gnu::always_inline]] void values(int64_t chunk, int64_t length, int64_t offset) {
+    view_.chunk_rows_at(chunk, length, length / kLanes + offset / kLanes + kAheadTiles, ahead_);
+    scoring_ = false;
+  }
+
+  // After query row `row`'s work on the tile: its share of the prefetches.
+  [[gnu::always_inline]] void after_row(int64_t row) const {
+    if (row >= shares_) return;
+    view_.prefetch_share(ahead_, row, shares_);
+    if (!scoring_) return;
+    view_.prefetch_share(far_keys_, row, shares_, CacheLevel::kL2);
+    view_.prefetch_share(later_values_, row, shares_, CacheLevel::kL2);
+  }
+
+ private:
+  const View& view_;
+  const int64_t shares_;
+  bool scoring_ = true;
+  Row ahead_[kLanes];
+  Row far_keys_[kLanes];
+  Row later_values_[kLanes];
+};
+
 // An item with few query rows (a decode: one row per query head of the group). Per tile of keys, each row's
 // scores are its dot products with them, folded into one vector; the chunk's softmax then runs along the
 // keys of each row, and the weights multiply the values into each row's accumulator.
@@ -434,13 +486,18 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
     for (int64_t d = 0; d < kDim; ++d) queries[row * kDim + d] = to_float(src[d]);
   }
 
+  const scalar_t* rows[kLanes];
   const float* tile[kLanes];
+  DecodePrefetch prefetch(view);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      view.load_tile(p.key_cache, chunk + offset, tile, widened, zero_row);
+      prefetch.keys(chunk, length, offset);
+      view.rows_at(p.key_cache, chunk + offset, rows);
+      view.widen_tile(rows, tile, widened, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, tile, view.head_offset(row)));
+        prefetch.after_row(row);
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -449,10 +506,13 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
                                            row_sum[row], [&](int64_t j, Vec w) { store(row_scores + j, w); });
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      view.load_tile(p.value_cache, chunk + offset, tile, widened, zero_row);
+      prefetch.values(chunk, length, offset);
+      view.rows_at(p.value_cache, chunk + offset, rows);
+      view.widen_tile(rows, tile, widened, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         const float factor = offset == 0 ? rescale[row] : 1.0f;
         accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, tile, view.head_offset(row));
+        prefetch.after_row(row);
       }
     }
   }
@@ -549,31 +609,16 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
   for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
 
   const uint16_t* tile[kLanes];
-  const uint16_t* ahead[kLanes];
-  const uint16_t* far_keys[kLanes];
-  const uint16_t* later_values[kLanes];
-  const int64_t shares = std::min(count, kLanes);
+  DecodePrefetch prefetch(view);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
-    const int64_t tiles = length / kLanes;
-    // the chunk's tiles of keys, then of values, each prefetched to L1 kAheadTiles tiles before it is read;
-    // while the keys are scored, keys kFarTiles further ahead and the values of the keys ahead go to L2, so
-    // that more reads are in flight than the L1 prefetches alone keep (a decode waits on memory)
-    if (chunk == 0) view.prefetch_first(length, ahead);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      const int64_t next = offset / kLanes + kAheadTiles;
+      prefetch.keys(chunk, length, offset);
       view.rows_at(p.key_cache, chunk + offset, tile, zero_row);
-      view.chunk_rows_at(chunk, length, next, ahead);
-      view.chunk_rows_at(chunk, length, next + kFarTiles, far_keys);
-      view.chunk_rows_at(chunk, length, tiles + next, later_values);
       for (int64_t row = 0; row < count; ++row) {
         const Vec row_scores = dot_tile_bf16<kDim>(queries + row * kDim, tile, view.head_offset(row));
         store(scores + row * kChunk + offset, row_scores);
-        if (row < shares) {
-          view.prefetch_share(ahead, row, shares);
-          view.prefetch_share(far_keys, row, shares, CacheLevel::kL2);
-          view.prefetch_share(later_values, row, shares, CacheLevel::kL2);
-        }
+        prefetch.after_row(row);
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -583,8 +628,8 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
                                                [&](int64_t j, Vec w) { store_bf16_bits(row_weights + j, w); });
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
+      prefetch.values(chunk, length, offset);
       view.rows_at(p.value_cache, chunk + offset, tile, zero_row);
-      view.chunk_rows_at(chunk, length, tiles + offset / kLanes + kAheadTiles, ahead);
       interleave_pairs(tile, item.heads * kVectors, pair_stride, pairs);
       for (int64_t row = 0; row < count; ++row) {
         const __m512 factor = _mm512_set1_ps(offset == 0 ? rescale[row] : 1.0f);
@@ -603,7 +648,7 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
           }
         }
         for (int64_t v = 0; v < kSums; ++v) _mm512_storeu_ps(row_acc + v * kLanes, sums[v]);
-        if (row < shares) view.prefetch_share(ahead, row, shares);
+        prefetch.after_row(row);
       }
     }
   }
