@@ -166,9 +166,9 @@ def test_bf16_matrix_and_vector_paths_match_the_reference(onednn: bool) -> None:
 def test_decodes_of_one_or_every_kv_head_match_the_reference(
     decodes: int, dtype: torch.dtype, tolerance: float
 ) -> None:
-    """With decodes enough for every thread, a decode's item reads whole cache rows (every KV head); a lone
-    decode takes an item per KV head; both give the reference's result."""
-    seqs = [(1, 17 + 37 * i) for i in range(decodes)] + [(5, 40)]
+    """With decodes enough for every thread, a decode's item reads whole cache rows (every KV head); a few
+    decodes take an item per KV head; both give the reference's result, over one or several 512-key chunks."""
+    seqs = [(1, 17 + 97 * i) for i in range(decodes)] + [(1, 600), (5, 40)]
     step = random_step(seqs, block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype, seed=11)
     reference = step.run("reference").float()
     torch.testing.assert_close(step.run("kernel").float(), reference, rtol=1.6 * tolerance, atol=tolerance)

@@ -182,6 +182,7 @@ struct Problem {
 // Memory an item works in, kept by each thread across its items.
 struct Scratch {
   std::vector<float> floats;
+  std::vector<int64_t> slots;  // a decode's chunk of cache rows, as element offsets
   std::vector<int32_t> positions;
   std::vector<uint16_t> halves;  // bf16 operands of the matrix path, as their bits
 };
@@ -192,6 +193,7 @@ struct Scratch {
 template <typename scalar_t, int64_t kDim>
 struct ItemView {
   using Scalar = scalar_t;
+  static constexpr int64_t kHeadDim = kDim;
   const Problem& p;
   const WorkItem& item;
   int64_t per_query;  // query rows per query token
@@ -229,17 +231,23 @@ struct ItemView {
 
   Cursor cursor(int64_t pos) const { return {pos, pos / p.block_size, pos % p.block_size}; }
 
-  // The cursor's row of the cache whose item head starts at `base` (nullptr past the last key); the cursor
-  // moves to the next key.
-  const scalar_t* next_row(const scalar_t* base, Cursor& at) const {
-    const scalar_t* row =
-        at.pos < num_keys ? base + (table[at.block] * p.block_size + at.offset) * p.kv_heads * kDim : nullptr;
+  // Where the cursor's cache row starts, in elements from the start of the cache (-1 past the last key); the
+  // cursor moves to the next key.
+  int64_t next_slot(Cursor& at) const {
+    const int64_t slot = at.pos < num_keys ? (table[at.block] * p.block_size + at.offset) * p.kv_heads * kDim : -1;
     ++at.pos;
     if (++at.offset == p.block_size) {
       at.offset = 0;
       ++at.block;
     }
-    return row;
+    return slot;
+  }
+
+  // The cursor's row of the cache whose item head starts at `base` (nullptr past the last key); the cursor
+  // moves to the next key.
+  const scalar_t* next_row(const scalar_t* base, Cursor& at) const {
+    const int64_t slot = next_slot(at);
+    return slot < 0 ? nullptr : base + slot;
   }
 
   // The cache rows of `kLanes` keys from `start` of one cache (past the last key: `past`).
@@ -249,26 +257,6 @@ struct ItemView {
     for (int64_t j = 0; j < kLanes; ++j) {
       const scalar_t* row = next_row(base, at);
       tile[j] = row == nullptr ? past : row;
-    }
-  }
-
-  // The rows of tile `index` of a chunk of `length` keys from `chunk` (a multiple of kLanes): its tiles of keys,
-  // then its tiles of values, then none (all nullptr): the order a decode reads them in.
-  void chunk_rows_at(int64_t chunk, int64_t length, int64_t index, const scalar_t** tile) const {
-    if (index < length / kLanes) {
-      rows_at(p.key_cache, chunk + index * kLanes, tile);
-    } else if (index < 2 * length / kLanes) {
-      rows_at(p.value_cache, chunk + index * kLanes - length, tile);
-    } else {
-      std::fill(tile, tile + kLanes, nullptr);
-    }
-  }
-
-  // Prefetches the first kAheadTiles tiles of the item's first chunk (of `length` keys), using `tile`.
-  void prefetch_first(int64_t length, const scalar_t** tile) const {
-    for (int64_t index = 0; index < kAheadTiles; ++index) {
-      chunk_rows_at(0, length, index, tile);
-      prefetch_share(tile, 0, 1);
     }
   }
 
@@ -414,32 +402,53 @@ inline Vec dot_tile(const float* query, const float* const* keys, int64_t offset
   return fold_tile(parts);
 }
 
-// A decode's prefetches. It reads a chunk's tiles of keys, then of values; each tile goes to L1 kAheadTiles
-// tiles before it is read, and while the keys are scored, the keys kFarTiles tiles further ahead and the
-// values of the keys ahead go to L2, so that more reads from memory are in flight than the L1 prefetches
-// alone keep. Each tile's prefetches are spread over the work on an earlier one, a share after each query
-// row: a whole tile's lines requested at once fill the core's outstanding-miss slots and stall it. Its calls
-// are forced inline: GCC left them calls, and a decode took 1.8x as long.
+// A decode's walk over its keys, a chunk at a time: the chunk's tiles of keys, then of values. The chunk's
+// cache rows are found once, by walking the block table (a key's row starts at the same element of the key
+// and the value cache); reading a tile, or prefetching one, then only adds them to a base. Each tile goes
+// to L1 kAheadTiles tiles before it is read, and while the keys are scored, the keys kFarTiles tiles
+// further ahead and the values of the keys ahead go to L2, so that more reads from memory are in flight
+// than the L1 prefetches alone keep. Each tile's prefetches are spread over the work on an earlier one, a
+// share after each query row: a whole tile's lines requested at once fill the core's outstanding-miss
+// slots and stall it. Its calls are forced inline: GCC left them calls, and a decode took 1.8x as long.
 template <typename View>
-class DecodePrefetch {
+class DecodeWalk {
  public:
   using Row = const typename View::Scalar*;
 
-  explicit DecodePrefetch(const View& view) : view_(view), shares_(std::min(view.count, kLanes)) {}
+  DecodeWalk(const View& view, std::vector<int64_t>& slots)
+      : view_(view),
+        shares_(std::min(view.count, kLanes)),
+        key_base_(static_cast<Row>(view.p.key_cache) + view.item.kv_head * View::kHeadDim),
+        value_base_(static_cast<Row>(view.p.value_cache) + view.item.kv_head * View::kHeadDim) {
+    slots.resize(kChunk);
+    slots_ = slots.data();
+  }
 
-  // Before the keys of tile `offset` (in keys) of the chunk from `chunk` of `length` keys are scored.
-  [[gnu::always_inline]] void keys(int64_t chunk, int64_t length, int64_t offset) {
-    if (chunk == 0 && offset == 0) view_.prefetch_first(length, ahead_);
+  // Starts the chunk of `length` keys (a multiple of kLanes) from key `chunk`.
+  [[gnu::always_inline]] void start(int64_t chunk, int64_t length) {
+    tiles_ = length / kLanes;
+    auto at = view_.cursor(chunk);
+    for (int64_t j = 0; j < length; ++j) slots_[j] = view_.next_slot(at);
+    for (int64_t index = 0; index < kAheadTiles; ++index) {
+      tile_at(index, ahead_, nullptr);
+      view_.prefetch_share(ahead_, 0, 1);
+    }
+  }
+
+  // The rows of the chunk's key tile `offset` (in keys; past the last key: `past`), and its prefetches.
+  [[gnu::always_inline]] void keys(int64_t offset, Row* tile, Row past) {
     const int64_t next = offset / kLanes + kAheadTiles;
-    view_.chunk_rows_at(chunk, length, next, ahead_);
-    view_.chunk_rows_at(chunk, length, next + kFarTiles, far_keys_);
-    view_.chunk_rows_at(chunk, length, length / kLanes + next, later_values_);
+    tile_at(offset / kLanes, tile, past);
+    tile_at(next, ahead_, nullptr);
+    tile_at(next + kFarTiles, far_keys_, nullptr);
+    tile_at(tiles_ + next, later_values_, nullptr);
     scoring_ = true;
   }
 
-  // Before the values of tile `offset` of that chunk are weighted in.
-  [[gnu::always_inline]] void values(int64_t chunk, int64_t length, int64_t offset) {
-    view_.chunk_rows_at(chunk, length, length / kLanes + offset / kLanes + kAheadTiles, ahead_);
+  // The same for the chunk's value tile `offset`.
+  [[gnu::always_inline]] void values(int64_t offset, Row* tile, Row past) {
+    tile_at(tiles_ + offset / kLanes, tile, past);
+    tile_at(tiles_ + offset / kLanes + kAheadTiles, ahead_, nullptr);
     scoring_ = false;
   }
 
@@ -453,8 +462,24 @@ class DecodePrefetch {
   }
 
  private:
+  // The rows of the chunk's tile `index`: its tiles of keys, then of values, then none (all nullptr).
+  [[gnu::always_inline]] void tile_at(int64_t index, Row* tile, Row past) const {
+    const bool key = index < tiles_;
+    if (!key && index >= 2 * tiles_) {
+      std::fill(tile, tile + kLanes, nullptr);
+      return;
+    }
+    const Row base = key ? key_base_ : value_base_;
+    const int64_t* slots = slots_ + (key ? index : index - tiles_) * kLanes;
+    for (int64_t j = 0; j < kLanes; ++j) tile[j] = slots[j] < 0 ? past : base + slots[j];
+  }
+
   const View& view_;
   const int64_t shares_;
+  const Row key_base_;
+  const Row value_base_;
+  int64_t* slots_;
+  int64_t tiles_ = 0;
   bool scoring_ = true;
   Row ahead_[kLanes];
   Row far_keys_[kLanes];
@@ -488,16 +513,16 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
 
   const scalar_t* rows[kLanes];
   const float* tile[kLanes];
-  DecodePrefetch prefetch(view);
+  DecodeWalk walk(view, scratch.slots);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+    walk.start(chunk, length);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      prefetch.keys(chunk, length, offset);
-      view.rows_at(p.key_cache, chunk + offset, rows);
+      walk.keys(offset, rows, nullptr);
       view.widen_tile(rows, tile, widened, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         store(scores + row * kChunk + offset, dot_tile<kDim>(queries + row * kDim, tile, view.head_offset(row)));
-        prefetch.after_row(row);
+        walk.after_row(row);
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -506,13 +531,12 @@ void attend_item_rows(const Problem& p, const WorkItem& item, Scratch& scratch) 
                                            row_sum[row], [&](int64_t j, Vec w) { store(row_scores + j, w); });
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      prefetch.values(chunk, length, offset);
-      view.rows_at(p.value_cache, chunk + offset, rows);
+      walk.values(offset, rows, nullptr);
       view.widen_tile(rows, tile, widened, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         const float factor = offset == 0 ? rescale[row] : 1.0f;
         accumulate<kDim>(acc + row * kDim, factor, scores + row * kChunk + offset, 1, tile, view.head_offset(row));
-        prefetch.after_row(row);
+        walk.after_row(row);
       }
     }
   }
@@ -609,16 +633,16 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
   for (int64_t row = 0; row < count; ++row) std::memcpy(queries + row * kDim, view.query(row), kDim * sizeof(uint16_t));
 
   const uint16_t* tile[kLanes];
-  DecodePrefetch prefetch(view);
+  DecodeWalk walk(view, scratch.slots);
   for (int64_t chunk = 0; chunk < view.num_keys; chunk += kChunk) {
     const int64_t length = (std::min(kChunk, view.num_keys - chunk) + kLanes - 1) / kLanes * kLanes;
+    walk.start(chunk, length);
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      prefetch.keys(chunk, length, offset);
-      view.rows_at(p.key_cache, chunk + offset, tile, zero_row);
+      walk.keys(offset, tile, zero_row);
       for (int64_t row = 0; row < count; ++row) {
         const Vec row_scores = dot_tile_bf16<kDim>(queries + row * kDim, tile, view.head_offset(row));
         store(scores + row * kChunk + offset, row_scores);
-        prefetch.after_row(row);
+        walk.after_row(row);
       }
     }
     for (int64_t row = 0; row < count; ++row) {
@@ -628,8 +652,7 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
                                                [&](int64_t j, Vec w) { store_bf16_bits(row_weights + j, w); });
     }
     for (int64_t offset = 0; offset < length; offset += kLanes) {
-      prefetch.values(chunk, length, offset);
-      view.rows_at(p.value_cache, chunk + offset, tile, zero_row);
+      walk.values(offset, tile, zero_row);
       interleave_pairs(tile, item.heads * kVectors, pair_stride, pairs);
       for (int64_t row = 0; row < count; ++row) {
         const __m512 factor = _mm512_set1_ps(offset == 0 ? rescale[row] : 1.0f);
@@ -648,7 +671,7 @@ void attend_item_rows_dot(const Problem& p, const WorkItem& item, Scratch& scrat
           }
         }
         for (int64_t v = 0; v < kSums; ++v) _mm512_storeu_ps(row_acc + v * kLanes, sums[v]);
-        prefetch.after_row(row);
+        walk.after_row(row);
       }
     }
   }
