@@ -16,10 +16,10 @@
 // group) scores a tile of kLanes keys per row as kLanes dot products folded into one vector, and runs the
 // softmax along the keys of each row; since a decode's KV comes from memory, it prefetches the next tile's
 // rows into L1 and, while it scores keys, keys further ahead and the values of the keys ahead into L2, each
-// spread over the rows' work. An item with many rows (a prefill chunk) holds its queries transposed, [head_dim][rows], and
-// scores kLanes rows at once for each key, so every multiply-add fills a vector; its softmax state goes
-// lane by lane. The code uses GCC/Clang vector types; head_dim is a compile-time constant so that a row of
-// the accumulator stays in registers.
+// spread over the rows' work. An item with many rows (a prefill chunk) holds its queries transposed,
+// [head_dim][rows], and scores kLanes rows at once for each key, so every multiply-add fills a vector; its
+// softmax state goes lane by lane. The code uses GCC/Clang vector types; head_dim is a compile-time
+// constant so that a row of the accumulator stays in registers.
 //
 // On a CPU with the bf16 dot-product instruction (AVX512-BF16), a bf16 item with few rows takes the dot path
 // instead, for head sizes of whole 512-bit vectors: it reads keys and values as the cache holds them and
