@@ -105,7 +105,7 @@ def test_plan_without_a_profile_uses_the_one_cached_for_the_model(
     [
         (["--prompt-tokens", "64-16"], "LOW <= HIGH"),
         (["--rate", "0"], "must be positive"),
-        (["--ttft-ms", "1"], "no number of replicas"),
+        (["--ttft-ms", "0.001"], "no number of replicas"),  # 1 µs: shorter than any step
     ],
 )
 def test_plan_refuses_bad_input_with_one_line(profile, options, message, capsys):
