@@ -193,7 +193,6 @@ struct Scratch {
 template <typename scalar_t, int64_t kDim>
 struct ItemView {
   using Scalar = scalar_t;
-  static constexpr int64_t kHeadDim = kDim;
   const Problem& p;
   const WorkItem& item;
   int64_t per_query;  // query rows per query token
@@ -250,9 +249,14 @@ struct ItemView {
     return slot < 0 ? nullptr : base + slot;
   }
 
+  // Where the item's first KV head starts in the cache's first row: a key's row is this plus its slot.
+  const scalar_t* head_base(const void* cache) const {
+    return static_cast<const scalar_t*>(cache) + item.kv_head * kDim;
+  }
+
   // The cache rows of `kLanes` keys from `start` of one cache (past the last key: `past`).
   void rows_at(const void* cache, int64_t start, const scalar_t** tile, const scalar_t* past = nullptr) const {
-    const scalar_t* base = static_cast<const scalar_t*>(cache) + item.kv_head * kDim;
+    const scalar_t* base = head_base(cache);
     Cursor at = cursor(start);
     for (int64_t j = 0; j < kLanes; ++j) {
       const scalar_t* row = next_row(base, at);
@@ -418,8 +422,8 @@ class DecodeWalk {
   DecodeWalk(const View& view, std::vector<int64_t>& slots)
       : view_(view),
         shares_(std::min(view.count, kLanes)),
-        key_base_(static_cast<Row>(view.p.key_cache) + view.item.kv_head * View::kHeadDim),
-        value_base_(static_cast<Row>(view.p.value_cache) + view.item.kv_head * View::kHeadDim) {
+        key_base_(view.head_base(view.p.key_cache)),
+        value_base_(view.head_base(view.p.value_cache)) {
     slots.resize(kChunk);
     slots_ = slots.data();
   }
