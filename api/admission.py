@@ -151,11 +151,12 @@ def _source(body: ChatCompletionRequest | CompletionRequest) -> PromptSource:
 def _estimate_correction(stats: EngineStats, estimate: TTFTEstimate) -> float:
     """What the TTFT estimate is multiplied by before it is held against a target: the 95th percentile of
     the recent actual / predicted ratios of the tenant's own requests when it has enough of them, else the
-    engine's, when the estimate has run short, capped at ``MAX_ESTIMATE_CORRECTION``. An estimate that runs
-    long is left as it is (admission then errs towards running a request). The tail and not the median:
-    under overload most admitted requests are predicted just within the target, and with the median half
-    of them ended past it (TTFT p99 2.1-2.3 s against 2 s in a 3x load; 1.9 s with the 95th percentile)."""
-    ratio = estimate.tenant_ratio_tail or stats.ttft_estimate_ratio_p95
+    engine's, else (right after a start, with too few for a tail) the engine's median, when the estimate
+    has run short, capped at ``MAX_ESTIMATE_CORRECTION``. An estimate that runs long is left as it is
+    (admission then errs towards running a request). The tail and not the median: under overload most
+    admitted requests are predicted just within the target, and with the median half of them ended past
+    it (TTFT p99 2.1-2.3 s against 2 s in a 3x load; 1.9 s with the 95th percentile)."""
+    ratio = estimate.tenant_ratio_tail or stats.ttft_estimate_ratio_p95 or stats.ttft_estimate_ratio_p50
     return 1.0 if ratio is None else min(MAX_ESTIMATE_CORRECTION, max(1.0, ratio))
 
 

@@ -32,10 +32,12 @@ log = logging.getLogger("weir.engine")
 RATE_WINDOW_S = 10.0  # tokens/s in stats are measured over this window
 TTFT_RATIO_WINDOW = 500  # recent requests behind the estimate's error figures in stats
 TENANT_RATIO_WINDOW = 32  # a tenant's recent requests behind its own estimate error
-TENANT_RATIO_MIN = 8  # requests a tenant needs before its own error is used
 # the quantile of recent estimate errors that admission corrects by: a high one, because under overload most
 # admitted requests are predicted near the target, and it is the tail of their TTFT that must meet it
 TTFT_RATIO_TAIL = 0.95
+# errors a tail is taken from (the engine's and a tenant's own): more than 20, so that the 95th percentile
+# is not simply the largest of a few, which one short wait behind a long prefill step sets after a start
+RATIO_TAIL_MIN = 21
 TENANT_RATIO_TENANTS = 1000  # tenants whose error is kept (the least recently served are forgotten)
 
 
@@ -291,12 +293,12 @@ class EngineCore:
         ratio = (seq.first_token_time - seq.arrival_time) / seq.predicted_ttft
         self._ttft_ratios.append(ratio)
         ratios = sorted(self._ttft_ratios)
-        self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _quantile(ratios, TTFT_RATIO_TAIL))
+        self._ttft_ratio_quantiles = (_quantile(ratios, 0.5), _tail(ratios))
         tenant = self._tenant_ratios.pop(seq.tenant_id, None) or deque(maxlen=TENANT_RATIO_WINDOW)
         tenant.append(ratio)
         self._tenant_ratios[seq.tenant_id] = tenant
-        if len(tenant) >= TENANT_RATIO_MIN:
-            self._tenant_ratio_tail[seq.tenant_id] = _quantile(sorted(tenant), TTFT_RATIO_TAIL)
+        if (tail := _tail(sorted(tenant))) is not None:
+            self._tenant_ratio_tail[seq.tenant_id] = tail
         while len(self._tenant_ratios) > TENANT_RATIO_TENANTS:
             forgotten, _ = self._tenant_ratios.popitem(last=False)
             self._tenant_ratio_tail.pop(forgotten, None)
@@ -372,6 +374,11 @@ class EngineCore:
 def _quantile(ordered: list[float], q: float) -> float:
     """The ``q`` quantile of a sorted, non-empty list (nearest rank)."""
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _tail(ordered: list[float]) -> float | None:
+    """The ``TTFT_RATIO_TAIL`` quantile of sorted estimate errors; None while they are too few for one."""
+    return _quantile(ordered, TTFT_RATIO_TAIL) if len(ordered) >= RATIO_TAIL_MIN else None
 
 
 def generate_offline(

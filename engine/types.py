@@ -88,7 +88,8 @@ class EngineStats:
     prompt_tokens_per_s: float
     steps: int
     preemptions: int
-    # actual / predicted time to first token over recent requests (None until a request has started)
+    # actual / predicted time to first token over recent requests (None until a request has started; the
+    # 95th percentile until ``engine.core.RATIO_TAIL_MIN`` have)
     ttft_estimate_ratio_p50: float | None = None
     ttft_estimate_ratio_p95: float | None = None
     kv_blocks_cached: int = 0  # blocks findable by prefix hash, held or free

@@ -36,6 +36,10 @@ def test_without_the_tenants_own_the_engines_95th_percentile_is_used_not_its_med
     assert _estimate_correction(_stats(1.1, 1.3), _estimate(None)) == pytest.approx(1.3)
 
 
+def test_right_after_a_start_with_too_few_errors_for_a_tail_the_engines_median_is_used():
+    assert _estimate_correction(_stats(1.4, None), _estimate(None)) == pytest.approx(1.4)
+
+
 def test_an_estimate_that_runs_long_is_not_scaled_down_and_the_correction_is_capped():
     assert _estimate_correction(_stats(0.5, 0.8), _estimate(None)) == 1.0
     assert _estimate_correction(_stats(None, None), _estimate(None)) == 1.0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.client import AsyncEngine
-from engine.core import TENANT_RATIO_MIN, EngineCore
+from engine.core import RATIO_TAIL_MIN, EngineCore
 from engine.types import SamplingParams
 from tests.engine.engine_helpers import (
     assert_block_references_match,
@@ -164,10 +164,18 @@ def test_ttft_estimate_grows_with_the_prefill_queued_ahead(tiny_model_dir: Path)
 
 def test_a_tenant_with_enough_finished_requests_has_its_own_estimate_error(tiny_model_dir: Path) -> None:
     core = make_core(tiny_model_dir)
-    for i, prompt in enumerate(random_prompts([40] * TENANT_RATIO_MIN, seed=9)):
-        core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=2), tenant_id="busy")
-    while core.has_unfinished():
-        core.step()
+    prompts = random_prompts([40] * RATIO_TAIL_MIN, seed=9)
+
+    def run(batch: list[list[int]], first: int) -> None:
+        for i, prompt in enumerate(batch, first):
+            core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=2), tenant_id="busy")
+        while core.has_unfinished():
+            core.step()
+
+    run(prompts[:-1], 0)  # one too few for a tail: the median is known, no 95th percentile yet
+    assert core.estimate_ttft(40, "busy").tenant_ratio_tail is None
+    assert core.stats().ttft_estimate_ratio_p95 is None and core.stats().ttft_estimate_ratio_p50 is not None
+    run(prompts[-1:], len(prompts) - 1)
     own = core.estimate_ttft(40, "busy").tenant_ratio_tail
     assert own is not None and own > 0
     assert own == core.stats().ttft_estimate_ratio_p95  # the only tenant so far: the engine's figure too
