@@ -1,6 +1,6 @@
 """The dense layers' matrix products, ``y = x @ W.T + b``, and which implementation runs each of them.
 
-Three implementations of the same product, differing only in summation order:
+Four implementations of the same product, differing only in summation order:
 
 - ``aten``: torch's ``F.linear`` on the weight as loaded (on CPU in fp32, MKL's GEMM).
 - ``onednn``: the weight reordered once, at load, into oneDNN's blocked layout and multiplied by oneDNN's
@@ -10,6 +10,8 @@ Three implementations of the same product, differing only in summation order:
 - ``brgemm``: bf16 only, the weight in column tiles multiplied by oneDNN's small-matrix kernel
   (``engine.models.tile_linear``); faster than the linear primitive at a decode batch's rows, and run at any
   row count unpadded.
+- ``dot``: bf16 on a CPU with AVX512-BF16, the same tiles (one copy serves both) multiplied by our own
+  register-tiled loop over the dot-product instruction, in the same order as ``brgemm``'s AVX512-BF16 path.
 
 None wins at every row count on every machine, so a :class:`KernelPlan`, chosen by measurement at load
 (``dtype_choice``), names the kernel per range of row counts, and each :class:`Dense` keeps the weight in
@@ -34,7 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.packed import Packed
-from engine.models.tile_linear import tile_kernel_available, tile_linear, tile_prepare
+from engine.models.tile_linear import (
+    dot_kernel_available,
+    dot_linear,
+    tile_kernel_available,
+    tile_linear,
+    tile_prepare,
+)
 
 ROLES = ("qkv", "out", "gate_up", "down")  # a decoder layer's products
 SHAPE_ROW_MULTIPLE = 16
@@ -61,15 +69,17 @@ KERNELS: dict[str, tuple[Prepare, Apply]] = {
     "aten": (_aten_prepare, F.linear),
     "onednn": (_onednn_prepare, _onednn_apply),
     "brgemm": (tile_prepare, tile_linear),
+    "dot": (tile_prepare, dot_linear),
 }
 
 
 def available_kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels that run ``dtype`` on ``device`` here (oneDNN's only on a CPU whose build has it; the
-    tiled kernel for bf16 where its extension works)."""
+    tiled kernels for bf16 where their extension works)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return ("aten",)
     tiles = ("brgemm",) if tile_kernel_available(device, dtype) else ()
+    tiles += ("dot",) if dot_kernel_available(device, dtype) else ()
     try:
         probe = torch.ones(4, 8, dtype=dtype)
         ok = bool(
@@ -123,7 +133,12 @@ class Dense:
         self.plan = plan
         self.bias = bias
         self.out_features = weight.shape[0]
-        self.forms = {name: KERNELS[name][0](weight) for name in plan.kernels}
+        prepared: dict[Prepare, object] = {}  # kernels that read the same form share one copy
+        for name in plan.kernels:
+            prepare = KERNELS[name][0]
+            if prepare not in prepared:
+                prepared[prepare] = prepare(weight)
+        self.forms = {name: prepared[KERNELS[name][0]] for name in plan.kernels}
         self.packed: Packed | None = None  # a packed copy for small steps (``packed_weights``)
         self._onednn_aten = weight.device.type == "cpu" and weight.dtype != torch.float32
 
