@@ -4,11 +4,11 @@
 
 The workload (32 requests, prompts of 32-512 real token ids, 32-128 output tokens each, EOS ignored) runs
 through (a) Weir's engine, (b) `transformers` continuous batching and (c) padded static ``generate()`` in
-batches of 16, on the same weights, in that order, in one process. Each system first runs a tiny warm-up
-workload, untimed. The table gives output tokens/s and Weir's ratio to each peer, and the workload's
-roofline (``bench/roofline.py``): per step of an ideal schedule with the engine's limits, the larger of its
-FLOPs at the rate of a 2048x2048x2048 matmul in the systems' dtype and its bytes (weights, KV) at the
-measured memory bandwidth, both measured in the same run.
+batches of 16, on the same weights, in one process: all three are loaded and run a tiny warm-up workload,
+untimed, then each repeat's prompts go through the three in that order. The table gives output tokens/s
+and Weir's ratio to each peer, and the workload's roofline (``bench/roofline.py``): per step of an ideal
+schedule with the engine's limits, the larger of its FLOPs at the rate of a 2048x2048x2048 matmul in the
+systems' dtype and its bytes (weights, KV) at the measured memory bandwidth, both measured in the same run.
 """
 
 from __future__ import annotations
@@ -78,18 +78,23 @@ def run(args: argparse.Namespace) -> dict:
     repeats = [workload] + [
         redraw_prompts(workload, token_ids, derived_seed(args.seed, 2 + r)) for r in range(args.repeats - 1)
     ]
-    systems = {}
+    loaded: dict[str, Runner] = {}
     for name, make_runner in runners.items():
         progress(f"{name}: loading and warming up")
-        runner = make_runner()
-        runner(warmup)
-        results = []
-        for index, prompts in enumerate(repeats, 1):
+        loaded[name] = make_runner()
+        loaded[name](warmup)
+    # rounds: every system runs each repeat's prompts in turn, so that a host whose speed drifts over
+    # minutes slows every system alike instead of whichever ran during its slow spell
+    results: dict[str, list[SystemResult]] = {name: [] for name in loaded}
+    for index, prompts in enumerate(repeats, 1):
+        for name, runner in loaded.items():
             progress(f"{name}: running the workload ({index}/{len(repeats)})")
             done = runner(prompts)
-            results.append(done)
+            results[name].append(done)
             progress(f"{name}: {done.output_tokens_per_s:.1f} output tokens/s in {done.seconds:.1f}s")
-        result = median_run(results)
+    systems = {}
+    for name, runs in results.items():
+        result = median_run(runs)
         systems[name] = {
             "label": result.name,
             "output_tokens_per_s": round(result.output_tokens_per_s, 3),
@@ -99,13 +104,13 @@ def run(args: argparse.Namespace) -> dict:
             **({"notes": result.notes} if result.notes else {}),
             **result.extra,
         }
-        if len(results) > 1:
-            systems[name]["runs_tokens_per_s"] = [round(r.output_tokens_per_s, 3) for r in results]
-        if args.profile and name == "weir":
-            progress("weir: running the workload again, with fresh prompts, under the torch profiler")
-            fresh = redraw_prompts(workload, token_ids, derived_seed(args.seed, 1))  # no prefix-cache hit
-            systems[name]["profile"] = profile_run(partial(runner, fresh))
-        del runner
+        if len(runs) > 1:
+            systems[name]["runs_tokens_per_s"] = [round(r.output_tokens_per_s, 3) for r in runs]
+    if args.profile:
+        progress("weir: running the workload again, with fresh prompts, under the torch profiler")
+        fresh = redraw_prompts(workload, token_ids, derived_seed(args.seed, 1))  # no prefix-cache hit
+        systems["weir"]["profile"] = profile_run(partial(loaded["weir"], fresh))
+    del loaded
     progress("measuring the matmul rate again, and the memory bandwidth")
     matmul_flops = max(matmul_before, measure_matmul_flops(device, dtype=dtype))  # the higher ceiling
     machine = Machine(matmul_flops, measure_read_bandwidth(device))
