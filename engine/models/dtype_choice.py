@@ -14,9 +14,9 @@ here, is judged only at those counts). Per product, because the kernels' strengt
 AMX Xeon at 512 rows oneDNN's primitive ran the gate/up projection 1.4x faster than the tiled kernel, which
 ran the down projection 1.45x faster.
 
-``$WEIR_DENSE_KERNEL`` (``aten``, ``onednn``, ``brgemm`` or ``dot``) runs every product by that kernel where the
-dtype has it, without timing the others: for runs that must compare like with like (``auto``, the default,
-measures).
+``$WEIR_DENSE_KERNEL`` (``aten``, ``onednn``, ``brgemm`` or ``dot``) runs every product by that kernel where
+the dtype has it, without timing the others: for runs that must compare like with like (``auto``, the
+default, measures).
 
 Some CPU bf16 kernels are far slower for a handful of rows than for a few more, so the choice also measures
 whether padding small batches to ``PAD_ROWS`` rows is faster, and says so in ``min_rows``. Where the two
