@@ -15,9 +15,8 @@
 // multiplied into each row's two accumulators with the row's pair broadcast. More rows go in balanced
 // groups of at most kDotRows, each reading the block again (from L2). Each output is summed pair by pair in
 // input order, as oneDNN's AVX512-BF16 kernel sums it, so the two kernels agree bit for bit on that path.
-// Where oneDNN's kernel splits a 32-row product into passes of its own and streams the weight from memory
-// (a decode step's weights do not stay in cache), this loop ran SmolLM2's products 10-25 % faster at 8-64
-// rows and 3-6 % faster at 128-512 on an AVX512-BF16 EPYC.
+// With every layer's weights coming from memory, as in a decode step, this loop ran SmolLM2's products
+// 10-25 % faster than oneDNN's kernel at 8-64 rows and 3-6 % faster at 128-512 on an AVX512-BF16 EPYC.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
