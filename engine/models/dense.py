@@ -133,12 +133,9 @@ class Dense:
         self.plan = plan
         self.bias = bias
         self.out_features = weight.shape[0]
-        prepared: dict[Prepare, object] = {}  # kernels that read the same form share one copy
-        for name in plan.kernels:
-            prepare = KERNELS[name][0]
-            if prepare not in prepared:
-                prepared[prepare] = prepare(weight)
-        self.forms = {name: prepared[KERNELS[name][0]] for name in plan.kernels}
+        preparers = {name: KERNELS[name][0] for name in plan.kernels}
+        prepared = {prepare: prepare(weight) for prepare in set(preparers.values())}  # one copy per form
+        self.forms = {name: prepared[prepare] for name, prepare in preparers.items()}
         self.packed: Packed | None = None  # a packed copy for small steps (``packed_weights``)
         self._onednn_aten = weight.device.type == "cpu" and weight.dtype != torch.float32
 
