@@ -3,6 +3,8 @@ other, and their row handling."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,14 +23,29 @@ CPU = torch.device("cpu")
 KERNELS = {"brgemm": tile_linear, "dot": dot_linear}
 
 
-def _available(kernel: str = "brgemm") -> bool:
-    """Whether ``kernel`` runs here; a CPU with AMX must have ``brgemm``, and one with AVX512-BF16 both
-    (where a kernel does not run, it is not offered)."""
+# The CPU features each kernel needs (any one of them): oneDNN's small-matrix kernel runs on AMX or
+# AVX512-BF16, the dot kernel is built with AVX512-BF16.
+FEATURES = {"brgemm": ("amx_bf16", "avx512_bf16"), "dot": ("avx512_bf16",)}
+
+
+@cache
+def _missing(kernel: str) -> str | None:
+    """Why ``kernel`` does not run here (the CPU features it lacks), or None where it runs; a CPU with one of
+    its features must run it (where a kernel does not run, it is not offered)."""
     available = (tile_kernel_available if kernel == "brgemm" else dot_kernel_available)(CPU, torch.bfloat16)
     assert (kernel in available_kernels(CPU, torch.bfloat16)) == available
-    if not available:
-        assert "amx_bf16" not in cpu_flags() and (kernel == "brgemm" or "avx512_bf16" not in cpu_flags())
-    return available
+    if available:
+        return None
+    present = [flag for flag in FEATURES[kernel] if flag in cpu_flags()]
+    assert not present, f"the {kernel} kernel does not run on this CPU with {present}: did its build fail?"
+    return f"the {kernel} kernel needs {' or '.join(FEATURES[kernel])}, which this CPU lacks"
+
+
+def _require(kernel: str = "brgemm") -> None:
+    """Skip the test where ``kernel`` does not run, naming the CPU feature missing."""
+    reason = _missing(kernel)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def _small_integers(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -41,8 +58,7 @@ def _small_integers(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("outputs", [32, 40, 100])
 def test_small_integer_products_are_exact_at_every_row_count(kernel: str, rows: int, outputs: int) -> None:
     """Small integers and their sums are exact in bf16 and fp32: a misplaced row, column or block shows."""
-    if not _available(kernel):
-        return
+    _require(kernel)
     x, w = _small_integers((rows, 96), rows), _small_integers((outputs, 96), outputs)
     bias = _small_integers((outputs,), 7)
     expected = x.float() @ w.float().T
@@ -54,8 +70,7 @@ def test_small_integer_products_are_exact_at_every_row_count(kernel: str, rows: 
 def test_the_dot_kernel_sums_as_onednns_avx512_kernel_does(rows: int) -> None:
     """Without AMX, oneDNN's kernel sums each output pair by pair in input order, as the dot kernel does:
     the two agree bit for bit on random products (with AMX they may differ in the last bit)."""
-    if not _available("dot"):
-        return
+    _require("dot")
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1536, generator=generator).to(torch.bfloat16)
     w = tile_prepare(torch.randn(100, 1536, generator=generator).to(torch.bfloat16))
@@ -71,8 +86,7 @@ def test_the_dot_kernel_sums_as_onednns_avx512_kernel_does(rows: int) -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [3, 17, 200])
 def test_random_products_round_the_fp32_product(kernel: str, rows: int) -> None:
-    if not _available(kernel):
-        return
+    _require(kernel)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 576, generator=generator).to(torch.bfloat16)  # a 3-D input keeps its shape
     w = torch.randn(200, 576, generator=generator).to(torch.bfloat16)
@@ -85,8 +99,7 @@ def test_random_products_round_the_fp32_product(kernel: str, rows: int) -> None:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bad_shapes_are_refused(kernel: str) -> None:
-    if not _available(kernel):
-        return
+    _require(kernel)
     with pytest.raises(RuntimeError, match="even number of inputs"):
         tile_prepare(torch.zeros(32, 7, dtype=torch.bfloat16))
     weight = tile_prepare(torch.zeros(32, 8, dtype=torch.bfloat16))
@@ -98,8 +111,7 @@ def test_bad_shapes_are_refused(kernel: str) -> None:
 
 def test_the_tiled_kernel_runs_every_row_count_unpadded() -> None:
     """Nothing is compiled per row count, so no step pads its rows for this kernel (oneDNN's are rounded)."""
-    if not _available():
-        return
+    _require()
     dense = Dense(torch.randn(64, 32, dtype=torch.bfloat16), None, KernelPlan(((1, "brgemm"),)))
     assert set(dense.forms) == {"brgemm"}
     assert [dense.rows_to_run(rows) for rows in (1, 3, 17, 65, 301)] == [1, 3, 17, 65, 301]
@@ -109,8 +121,7 @@ def test_the_tiled_kernel_runs_every_row_count_unpadded() -> None:
 
 def test_the_two_tiled_kernels_share_one_copy_of_the_weight() -> None:
     """A plan that mixes ``brgemm`` and ``dot`` keeps the tiles once (the two read the same layout)."""
-    if not _available("dot"):
-        return
+    _require("dot")
     weight = torch.randn(64, 32, dtype=torch.bfloat16)
     dense = Dense(weight, None, KernelPlan(((16, "dot"), (64, "brgemm"))))
     assert dense.forms["dot"] is dense.forms["brgemm"]
