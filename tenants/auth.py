@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -66,21 +67,27 @@ class KeyAuthenticator:
     """``await auth.authenticate(secret) -> Principal`` or raises an :class:`AuthError` subclass."""
 
     def __init__(
-        self, engine: AsyncEngine, *, ttl_s: float = 5.0, last_used_interval_s: float = 30.0
+        self,
+        engine: AsyncEngine,
+        *,
+        ttl_s: float = 5.0,
+        last_used_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
         self._ttl_s = ttl_s
         self._last_used_interval_s = last_used_interval_s
+        self._clock = clock  # seconds, for the cache's TTL and the flush interval
         self._cache: dict[bytes, tuple[float, Principal | AuthError]] = {}
         self._used: dict[int, datetime] = {}
-        self._last_flush = time.monotonic()
+        self._last_flush = clock()
         self._flush_task: asyncio.Task[None] | None = None
 
     async def authenticate(self, secret: str) -> Principal:
         if not well_formed(secret):
             raise UnknownKey("invalid API key")
         digest = hash_secret(secret)
-        now = time.monotonic()
+        now = self._clock()
         cached = self._cache.get(digest)
         if cached is None or cached[0] <= now:
             cached = (now + self._ttl_s, await self._lookup(secret, digest))
