@@ -57,7 +57,8 @@ class Tracker:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.total.prompt_tokens or len(self.job.prompt_ids)
+        """The prompt tokens that ran, as the engine counts them (0 for a request that never started)."""
+        return self.total.prompt_tokens
 
     @property
     def finish_reason(self) -> str | None:

@@ -259,7 +259,11 @@ class EngineCore:
         return self._output(seq, text, [token], [now])
 
     def _output(self, seq: Sequence, text: str, token_ids: list[int], times: list[float]) -> RequestOutput:
+        """A delta of ``seq``. Its prompt counts are what ran: all of the prompt once a token was sampled,
+        only the chunks computed of one that ended mid-prefill, none of one that ended before it ran
+        (aborted or refused while queued), so that work never done is never billed."""
         queue_time = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
+        computed = seq.num_prompt_tokens_billed
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
@@ -267,8 +271,8 @@ class EngineCore:
             token_times=times,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=seq.num_cached_tokens,
+            prompt_tokens=computed,
+            cached_tokens=min(seq.num_cached_tokens, computed),
             output_tokens=seq.num_output_tokens,
             arrival_time=seq.arrival_time,
             queue_time=queue_time,

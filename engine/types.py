@@ -51,7 +51,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # time.monotonic() of each new token
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "deadline"
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens that ran (computed or cached): 0 for one that ended unstarted
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_tokens: int = 0
     arrival_time: float = 0.0  # time.monotonic() when the engine received the request

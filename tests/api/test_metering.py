@@ -52,10 +52,11 @@ def test_the_tracker_merges_deltas_into_the_counts_text_and_times_billed() -> No
     assert tracker.cost(DEFAULT_WEIGHTS) == DEFAULT_WEIGHTS.prefill + 2 * DEFAULT_WEIGHTS.cached + 6.0
 
 
-def test_a_request_the_engine_refused_is_billed_its_prompt() -> None:
+def test_a_request_the_engine_refused_is_billed_no_prompt() -> None:
     tracker = Tracker(_job(prompt_len=5))
     tracker.update(RequestOutput("r1", finished=True, finish_reason="error", error="refused"))
-    assert tracker.prompt_tokens == 5 and tracker.outcome() == ("error", "error")
+    assert tracker.prompt_tokens == 0 and tracker.outcome() == ("error", "error")
+    assert tracker.cost(DEFAULT_WEIGHTS) == 0.0
     assert "refused" in tracker.error().message
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.client import AsyncEngine
-from engine.core import RATIO_TAIL_MIN, EngineCore
+from engine.core import RATIO_TAIL_MIN, EngineCore, generate_offline
 from engine.types import SamplingParams
 from tests.engine.engine_helpers import (
     assert_block_references_match,
@@ -96,6 +96,32 @@ def test_aborted_request_frees_its_blocks_before_the_next_step(tiny_model_dir: P
     outputs = {out.request_id: out for out in core.step()}
     assert outputs["drop"].finished and outputs["drop"].finish_reason == "abort"
     assert outputs["drop"].output_tokens == 2 and not outputs["keep"].finished
+
+
+def test_only_the_prompt_that_ran_is_reported(tiny_model_dir: Path) -> None:
+    """Refused for its size, aborted while queued, aborted mid-prefill, or served: a request's prompt counts
+    are the tokens the engine computed (what it is billed for), never the whole prompt unless it all ran."""
+    limits = {"prefill_chunk_size": 8, "max_batched_tokens": 8, "max_num_seqs": 1}
+    core = make_core(tiny_model_dir, num_kv_blocks=16, block_size=4, **limits)  # 64 tokens at most
+    huge, long, queued = random_prompts((core.max_model_len + 16, 24, 10), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    core.add_request("huge", huge, params)
+    [refused] = core.step()
+    assert (refused.finish_reason, refused.prompt_tokens, refused.cached_tokens) == ("error", 0, 0)
+
+    core.add_request("long", long, params)
+    assert core.step() == []  # its first chunk of 8 tokens
+    core.add_request("queued", queued, params)
+    assert core.step() == []  # its second chunk; "queued" waits, one sequence runs at most
+    assert core.abort("queued") and core.abort("long")
+    ended = {out.request_id: out for out in core.step()}
+    assert (ended["queued"].prompt_tokens, ended["queued"].cached_tokens) == (0, 0)
+    assert ended["queued"].queue_time is None
+    assert (ended["long"].prompt_tokens, ended["long"].cached_tokens) == (16, 0)
+
+    [served] = generate_offline(core, [(queued, params)])
+    assert served.finished and served.prompt_tokens == len(queued)
 
 
 async def wait_for(condition, timeout: float = 30.0) -> None:
