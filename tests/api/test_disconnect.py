@@ -16,6 +16,7 @@ from tests.api.conftest import CLIENT_TIMEOUT_S
 from tests.api.server import ApiServer, wait_until
 
 LONG = 1500  # output tokens the tiny model would produce if nobody stopped it (it rarely emits EOS)
+CLOSED_WITHIN_S = 10.0  # the longest wait for the end of a connection the server has already dropped
 
 
 def _model(server: ApiServer) -> str:
@@ -66,13 +67,31 @@ async def test_disconnect_mid_stream_frees_blocks_and_bills_partial(
     _assert_settled(api_server, key)
 
 
+def _send(server: ApiServer, key: str, body: dict, receive_buffer: int | None = None) -> socket.socket:
+    """A connection that has sent ``body`` to /v1/completions and read nothing of the answer yet."""
+    address = urlsplit(server.base_url)
+    payload = json.dumps(body).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    sock = socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((address.hostname, address.port))
+    sock.sendall(request)
+    return sock
+
+
+def _running(server: ApiServer) -> bool:
+    return server.admin("engine")["running"] >= 1
+
+
 def test_disconnect_while_waiting_for_a_whole_answer(api_server: ApiServer, make_tenant) -> None:
     tenant_id, key = make_tenant(max_concurrency=1)
-    body = _long_request(api_server, stream=False)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{api_server.v1}/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=1.0
-        )
+    with _send(api_server, key, _long_request(api_server, stream=False)):
+        wait_until(lambda: _running(api_server), what="the request running")
+    # the client left once its request ran: the answer was cut, whatever the machine's speed
     [row] = api_server.wait_usage(tenant_id, 1)
     assert (row["status"], row["finish_reason"]) == ("cancelled", "abort")
     assert row["output_tokens"] < LONG
@@ -85,18 +104,9 @@ def test_non_reading_client_is_dropped_while_others_keep_streaming(
 ) -> None:
     slow_tenant, slow_key = make_tenant()
     _, fast_key = make_tenant()
-    address = urlsplit(api_server.base_url)
-    body = json.dumps(_long_request(api_server, stream=True)).encode()
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {slow_key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    slow = socket.socket()
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    slow.connect((address.hostname, address.port))
-    try:
-        slow.sendall(request)  # ... and never read
-        wait_until(lambda: api_server.admin("engine")["running"] >= 1, what="the slow request running")
+    slow = _send(api_server, slow_key, _long_request(api_server, stream=True), receive_buffer=4096)
+    try:  # ... and never read
+        wait_until(lambda: _running(api_server), what="the slow request running")
         client = openai.OpenAI(base_url=api_server.v1, api_key=fast_key, max_retries=0)
         stream = client.completions.create(
             model=_model(api_server),
@@ -116,11 +126,15 @@ def test_non_reading_client_is_dropped_while_others_keep_streaming(
         assert 0 < row["output_tokens"] <= LONG
         assert api_server.admin("engine")["api"]["clients_dropped_slow"] >= 1
         wait_until(api_server.engine_idle, what="all KV blocks free after the drop")
-        slow.settimeout(10)
-        with pytest.raises((ConnectionResetError, TimeoutError)):
+        # The server closed the connection: reading what it had sent ends (EOF, or a reset).
+        slow.settimeout(CLOSED_WITHIN_S)
+        try:
             while slow.recv(65536):
                 pass
-            raise ConnectionResetError  # orderly end of stream after the server closed: also a drop
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"the server left the dropped client's connection open for {CLOSED_WITHIN_S}s")
     finally:
         slow.close()
 
