@@ -154,3 +154,36 @@ def test_a_repeated_system_prompt_is_cached_and_billed_at_the_cached_weight(
     assert row["cached_tokens"] == cached
     expected = (second.prompt_tokens - cached) * 1.0 + cached * 0.1 + second.completion_tokens * 2.0
     assert float(row["cost"]) == pytest.approx(expected, rel=1e-9)
+
+
+CONTEXT = 2048  # the tiny model's context window (its max_position_embeddings; the KV pool holds more)
+
+
+async def test_answers_that_reach_the_context_window_end_with_length(
+    api_server: ApiServer, make_tenant
+) -> None:
+    """Without ``max_tokens`` an answer may run to the end of the context window, and ends there with
+    ``length``: a completion (whose default of 16 tokens is more than the room left) and a chat."""
+    tenant_id, key = make_tenant()
+    client = openai.AsyncOpenAI(base_url=api_server.v1, api_key=key, max_retries=0)
+    model = _model(api_server)
+    prompt = [3 + (11 * i) % 40000 for i in range(CONTEXT - 6)]
+    whole = await client.completions.create(model=model, prompt=prompt, temperature=0)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (CONTEXT - 6, 6)
+    assert whole.choices[0].finish_reason == "length"
+    _assert_ledger_matches(api_server, tenant_id, whole.id, whole.usage, "length")
+
+    words = "the " * (CONTEXT - 64)  # a token a word; the chat template adds a few dozen more
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": words}],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert ends == ["length"]
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens + usage.completion_tokens == CONTEXT and usage.completion_tokens > 0
+    _assert_ledger_matches(api_server, tenant_id, chunks[-1].id, usage, "length")

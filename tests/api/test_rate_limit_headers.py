@@ -3,6 +3,7 @@ requests are concurrency slots, tokens the per-minute cost bucket."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx
@@ -120,3 +121,32 @@ def test_rate_refusal_says_what_is_left(api_server: ApiServer, make_tenant) -> N
     assert int(headers["x-ratelimit-remaining-tokens"]) < COST
     assert headers["x-ratelimit-remaining-requests"] == "4"  # a refused request holds no slot
     assert int(headers["retry-after"]) >= 1
+
+
+def _retry_after_ms(headers: httpx.Headers) -> int:
+    """``retry-after-ms``, checked against ``retry-after`` (the same wait, in whole seconds rounded up)."""
+    milliseconds = int(headers["retry-after-ms"])
+    assert milliseconds >= 1 and int(headers["retry-after"]) == max(1, math.ceil(milliseconds / 1000))
+    return milliseconds
+
+
+def test_rate_and_concurrency_refusals_say_when_to_retry_in_milliseconds(
+    api_server: ApiServer, make_tenant
+) -> None:
+    model = _model(api_server)
+    _, one_at_a_time = make_tenant(max_concurrency=1)
+    client = _client(api_server, one_at_a_time)
+    with client.completions.create(model=model, prompt="x", max_tokens=400, stream=True) as stream:
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as busy:
+            client.completions.create(model=model, prompt="x", max_tokens=5)
+    assert _retry_after_ms(busy.value.response.headers) == 1000  # a slot: retry in a second
+
+    _, rate_limited = make_tenant(cost_per_minute=200)
+    client = _client(api_server, rate_limited)
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=OUTPUT, temperature=0)
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=OUTPUT, temperature=0)
+    # the bucket refills 200 cost units a minute: a request of COST units waits at most the time it takes
+    # to refill them all
+    assert _retry_after_ms(limited.value.response.headers) <= math.ceil(COST * 60_000 / 200)
