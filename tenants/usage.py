@@ -1,12 +1,18 @@
-"""The usage ledger: a batched, idempotent writer that never loses an event.
+"""The usage ledger: a batched, idempotent writer that never loses a usage event.
 
-``submit`` only appends to an in-memory buffer (bounded: past ``max_buffer`` events go straight to the spill
-file). A background task writes batches (by size or every ``flush_interval_s``) with
+``submit`` only appends to an in-memory buffer (bounded: past ``max_buffer`` usage events, a usage event goes
+straight to the spill file). A background task writes batches (by size or every ``flush_interval_s``) with
 ``INSERT ... ON CONFLICT DO NOTHING`` on the event's id, so a replayed event is never counted twice. When
 the database cannot be reached, batches are appended (and fsynced) to a spill file under
 ``<state dir>/spill``; spill files are replayed when the writer starts and when the database returns,
 including files left by a writer process that died (a live writer holds a lock on its own file; others
 are looked for every ``SPILL_SCAN_S``). A file is deleted only after all its events are written.
+
+Shed events (refusals, which cost a client nothing to cause) have a bound of their own: past ``max_sheds``
+of them waiting, a new one is dropped and counted in ``sheds_dropped`` (with a warning at most every
+``DROP_WARNING_S``), never spilled on the caller's turn, so that a flood of refusals can neither make each
+refusal write and fsync a file on the event loop nor crowd usage events out of the buffer. Usage events
+are never dropped: the ledger of what was served stays whole.
 
 What can still be lost: events submitted but neither written nor spilled when the process is killed
 (at most ``flush_interval_s`` of them while the database is up, ``retry_interval_s`` while it is away),
@@ -34,6 +40,7 @@ import math
 import os
 import re
 import stat
+import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
@@ -55,6 +62,7 @@ log = logging.getLogger(__name__)
 
 _INT32 = 2**31 - 1
 SPILL_SCAN_S = 10.0
+DROP_WARNING_S = 60.0
 REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # the API's are chatcmpl-<hex>, cmpl-<hex>
 _EVENT_ID = re.compile(r"[0-9a-f]{32}")
 _MAX_TEXT = 256
@@ -226,6 +234,7 @@ class UsageWriter:
         flush_interval_s: float = 0.2,
         retry_interval_s: float = 1.0,
         max_buffer: int = 20_000,
+        max_sheds: int = 10_000,
     ) -> None:
         self._engine = engine
         self.spill_dir = Path(spill_dir) if spill_dir is not None else state_dir() / "spill"
@@ -233,6 +242,10 @@ class UsageWriter:
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
         self.max_buffer = max_buffer
+        self.max_sheds = max_sheds
+        self.sheds_dropped = 0  # shed events refused past max_sheds waiting
+        self._sheds = 0  # shed events in the buffer
+        self._next_drop_warning = 0.0
         self._buffer: deque[Event] = deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -262,8 +275,15 @@ class UsageWriter:
         """Queue an event for the ledger. Never blocks; never raises because the database is away."""
         if not isinstance(event, UsageEvent | ShedEvent):
             raise TypeError(f"not a usage or shed event: {event!r}")
-        if (self._closed or len(self._buffer) >= self.max_buffer) and self._spill_events([event]):
+        shed = isinstance(event, ShedEvent)
+        if shed and not self._closed and self._sheds >= self.max_sheds:
+            self._drop_shed()
             return
+        usage_full = not shed and len(self._buffer) - self._sheds >= self.max_buffer
+        if (self._closed or usage_full) and self._spill_events([event]):
+            return
+        if shed:
+            self._sheds += 1
         self._buffer.append(event)
         self._idle.clear()
         if len(self._buffer) >= self.batch_size:
@@ -274,6 +294,18 @@ class UsageWriter:
     def record_shed(self, tenant_id: int, reason: str) -> None:
         """Record a refused request (reason: rate, concurrency, budget, queue, slo, kv, deadline)."""
         self.submit(ShedEvent(tenant_id=tenant_id, reason=reason))
+
+    def _drop_shed(self) -> None:
+        """Count a shed event dropped; warn at most once every ``DROP_WARNING_S``."""
+        self.sheds_dropped += 1
+        now = time.monotonic()
+        if now >= self._next_drop_warning:
+            self._next_drop_warning = now + DROP_WARNING_S
+            log.warning(
+                "%d refusals waiting for the ledger: later ones are not recorded (%d dropped so far)",
+                self._sheds,
+                self.sheds_dropped,
+            )
 
     async def flush(self) -> None:
         """Wait until every event submitted so far is in the database or in a spill file."""
@@ -294,8 +326,7 @@ class UsageWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._buffer:
-            self._spill_events(list(self._buffer))
-            self._buffer.clear()
+            self._spill_events(self._take(len(self._buffer)))
         self._close_spill()
 
     async def replay_spill(self) -> int:
@@ -391,7 +422,9 @@ class UsageWriter:
                 self._set_aside(REJECTED_FILE, _to_line(event).encode())
 
     def _take(self, count: int) -> list[Event]:
-        return [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]
+        events = [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]
+        self._sheds -= _count_sheds(events)
+        return events
 
     async def _try_replay(self) -> None:
         try:
@@ -432,6 +465,7 @@ class UsageWriter:
         """Spill events; if even the disk fails, keep them in memory for the next round."""
         if not self._spill_events(events):
             self._buffer.extendleft(reversed(events))
+            self._sheds += _count_sheds(events)
 
     def _close_spill(self) -> None:
         if self._spill is not None:
@@ -467,6 +501,10 @@ class UsageWriter:
             log.error("could not set aside %r in %s: %s", lines[:1000], self.spill_dir / name, exc)
             return False
         return True
+
+
+def _count_sheds(events: list[Event]) -> int:
+    return sum(isinstance(event, ShedEvent) for event in events)
 
 
 def _private_dir(path: Path) -> None:

@@ -1,6 +1,7 @@
 """The usage ledger never loses an event and never counts one twice: across a PostgreSQL outage and
 across the death of the writing process. Spill files are private, and what is read back from them is
-checked: a bad record is set aside, never written, and never holds up the good ones."""
+checked: a bad record is set aside, never written, and never holds up the good ones. A flood of
+refusals is bounded in memory and never written to disk on the caller's turn."""
 
 from __future__ import annotations
 
@@ -151,6 +152,28 @@ async def test_spilled_events_of_a_killed_writer_are_replayed_once(db_engine, da
     again = UsageWriter(db_engine, spill_dir=spill)
     assert await again.replay_spill() == 0
     await again.close()
+
+
+async def test_a_flood_of_refusals_is_bounded_and_never_spilled_on_the_callers_turn(db_engine, tmp_path):
+    """Past ``max_sheds`` waiting, refusals are dropped and counted, not spilled (a write and an fsync
+    each, on the event loop); they take no room from usage events, which are all kept."""
+    spill = tmp_path / "spill"
+    writer = UsageWriter(db_engine, spill_dir=spill, max_buffer=100, max_sheds=50, flush_interval_s=0.01)
+    for n in range(1_000):  # no await in between: the background writer cannot drain anything meanwhile
+        writer.record_shed(1 + n % 3, "rate")
+    for n in range(100):
+        writer.submit(make_event(n))
+    assert not spill.exists() or not list(spill.iterdir()), "nothing may be spilled on the caller's turn"
+    assert (writer.pending, writer.sheds_dropped) == (150, 950)
+
+    await writer.flush()
+    writer.record_shed(1, "kv")  # room again once the waiting ones are written
+    await writer.close()
+    assert writer.sheds_dropped == 950
+    assert sorted(await _ids(db_engine)) == [make_event(n).request_id for n in range(100)]
+    async with db_engine.connect() as conn:
+        reasons = (await conn.execute(sa.text("SELECT reason FROM shed_events"))).scalars().all()
+    assert sorted(reasons) == ["kv"] + ["rate"] * 50
 
 
 def test_bad_events_are_refused_at_once():
