@@ -22,7 +22,11 @@ from dashboard import DashboardSources, dashboard_router, template_config
 def create_app(settings: Settings) -> Litestar:
     """The API over one engine and the tenant store; both start in the app's lifespan."""
     services = Services(settings)
-    telemetry = Telemetry(trace_ids=settings.log_format == "json", max_tenants=settings.metrics_max_tenants)
+    telemetry = Telemetry(
+        trace_ids=settings.log_format == "json",
+        max_tenants=settings.metrics_max_tenants,
+        served_model=lambda: services.model.name,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -55,7 +59,8 @@ def create_app(settings: Settings) -> Litestar:
 
 
 def _http_tracing(telemetry: Telemetry) -> list[PluginProtocol]:
-    """Litestar's OpenTelemetry plugin (the HTTP server span) when spans are made at all."""
+    """Litestar's OpenTelemetry plugin (the HTTP server span) when spans are made at all; its metrics keep
+    only the attributes ``Telemetry``'s View lets through (no header, no path)."""
     if not telemetry.tracing:
         return []
     from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin

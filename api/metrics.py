@@ -1,5 +1,6 @@
 """The process's metric instruments: the GenAI semantic-convention histograms and Weir's own counters and
-gauges, with the tenant as a label whose cardinality is capped (docs/telemetry.md, "Metrics")."""
+gauges. No label value is a request's own text: the tenant label's cardinality is capped and the model
+label is the served model's name or ``unknown`` (docs/telemetry.md, "Metrics")."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ COST_BUCKETS = (1.0, 10.0, 100.0, 1_000.0, 10_000.0, 100_000.0, 1_000_000.0)
 
 TENANT = "weir.tenant"
 OTHER_TENANTS = "other"
+UNKNOWN_MODEL = "unknown"
 QUOTA_REASONS = frozenset({"rate", "concurrency", "budget"})  # the rest (queue, kv, slo) are admission's
 
 
@@ -40,11 +42,23 @@ class TenantLabels:
         return OTHER_TENANTS
 
 
+class ModelLabels:
+    """The ``gen_ai.request.model`` label value: the served model's name when a request names it, else
+    ``unknown``, so that the model strings of requests refused for free cannot add series."""
+
+    def __init__(self, served: Callable[[], str | None]) -> None:
+        self._served = served
+
+    def __call__(self, requested: str) -> str:
+        return requested if requested == self._served() else UNKNOWN_MODEL
+
+
 class Metrics:
     """Every instrument Weir records; the observable ones read the engine's stats and the ledger writer."""
 
-    def __init__(self, meter: Meter, max_tenants: int) -> None:
+    def __init__(self, meter: Meter, max_tenants: int, served_model: Callable[[], str | None]) -> None:
         self.tenant = TenantLabels(max_tenants)
+        self.model = ModelLabels(served_model)
         new = partial(_histogram, meter)
         self.ttft = new("gen_ai.server.time_to_first_token", TTFT_BUCKETS, "Engine arrival to first token")
         self.tpot = new("gen_ai.server.time_per_output_token", TPOT_BUCKETS, "Mean time per later token")

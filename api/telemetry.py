@@ -2,7 +2,9 @@
 
 With none of them set, nothing is exported: no tracer provider exists (spans are the API's no-op ones),
 and the only metric reader is the Prometheus one behind ``GET /metrics``, which works only when scraped.
-The rules for each variable are in docs/telemetry.md.
+The rules for each variable are in docs/telemetry.md. Every metric holds at most ``MAX_SERIES_PER_METRIC``
+attribute sets (then one overflow series), and the HTTP server metrics only the attributes in
+``HTTP_METRIC_ATTRIBUTES``, none of which is a request header or path.
 """
 
 from __future__ import annotations
@@ -17,12 +19,21 @@ from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    MeterProvider,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricReader,
     PeriodicExportingMetricReader,
 )
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -50,6 +61,36 @@ DEFAULT_SERVICE_NAME = "weir"
 EXPORTERS = {"otlp", "console", "none"}
 METRICS_EXPORTERS = EXPORTERS | {"prometheus"}  # prometheus: GET /metrics, served in any case
 POOL_CHECKOUT_SPAN = "connect"  # the SQLAlchemy instrumentation's span around ``Engine.connect``
+MAX_SERIES_PER_METRIC = 2_000  # attribute sets per metric; later ones share one otel_metric_overflow series
+HTTP_METER = "opentelemetry.instrumentation.asgi"  # the meter of Litestar's OpenTelemetry middleware
+# The HTTP server metrics' attributes, old and stable semantic conventions: each from a small fixed set
+# (a method outside the standard ones is _OTHER). Left out: http.host, http.server_name, net.host.name (the
+# Host header), http.target, url.* and http.route (Litestar's route attribute is the path sent: its
+# middleware runs before routing).
+HTTP_METRIC_ATTRIBUTES = frozenset(
+    {
+        "http.method",
+        "http.scheme",
+        "http.flavor",
+        "http.status_code",
+        "http.request.method",
+        "http.response.status_code",
+        "network.protocol.version",
+        "url.scheme",
+        "error.type",
+    }
+)
+_SERIES_LIMITS = {  # every kind of instrument Weir and the HTTP middleware make
+    kind: MAX_SERIES_PER_METRIC
+    for kind in (
+        Counter,
+        UpDownCounter,
+        Histogram,
+        ObservableCounter,
+        ObservableUpDownCounter,
+        ObservableGauge,
+    )
+}
 
 
 def exporters_from_env(environ: Mapping[str, str], signal: str, allowed: set[str]) -> list[str]:
@@ -124,8 +165,10 @@ class Telemetry:
         environ: Mapping[str, str] | None = None,
         trace_ids: bool = False,
         max_tenants: int = 100,
+        served_model: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """``trace_ids``: make trace ids for log lines even when no trace is exported."""
+        """``trace_ids``: make trace ids for log lines even when no trace is exported; ``served_model``:
+        the name of the model served (the only model label other than ``unknown``)."""
         environ = os.environ if environ is None else environ
         if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
             environ = {}
@@ -133,13 +176,17 @@ class Telemetry:
         self.trace_exporters = exporters_from_env(environ, "TRACES", EXPORTERS)
         self.metric_exporters = exporters_from_env(environ, "METRICS", METRICS_EXPORTERS)
         self.registry = CollectorRegistry(auto_describe=True)
-        prometheus = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
+        prometheus = PrometheusMetricReader(
+            registry=self.registry, scope_info_enabled=False, cardinality_limits=_SERIES_LIMITS
+        )
         readers: list[MetricReader] = [prometheus]
         for name in self.metric_exporters:
-            readers.append(PeriodicExportingMetricReader(_metric_exporter(name, environ)))
-        self.meter_provider = MeterProvider(metric_readers=readers, resource=resource)
+            exporter = _metric_exporter(name, environ)
+            readers.append(PeriodicExportingMetricReader(exporter, cardinality_limits=_SERIES_LIMITS))
+        http = View(meter_name=HTTP_METER, instrument_name="*", attribute_keys=set(HTTP_METRIC_ATTRIBUTES))
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=[http])
         self.meter = self.meter_provider.get_meter(SCOPE)
-        self.metrics = Metrics(self.meter, max_tenants)
+        self.metrics = Metrics(self.meter, max_tenants, served_model)
         self.tracer_provider: TracerProvider | None = None
         if self.trace_exporters or trace_ids:
             sampler = None if self.trace_exporters else ALWAYS_OFF  # None: OTEL_TRACES_SAMPLER decides

@@ -6,6 +6,10 @@ server span it makes an ``auth`` span, then the generation span ``chat {model}``
 {model}`` with its children: ``reservation`` (where quota refusals end it), ``queue`` (from the engine's own
 timestamps) and ``settlement``, and a ``gen_ai.first_token`` event. The generation span stays open after
 the route returns, while the response streams, and ends when the request is settled.
+
+``{model}`` in the span name and in metric labels is the served model's name, or ``unknown`` for any other
+model string; the string the request sent is kept, cut to ``MAX_MODEL_CHARS``, in the span's
+``gen_ai.request.model`` and the log line.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
     from tenants.auth import Principal
 
 PROVIDER = "weir"
+MAX_MODEL_CHARS = 256  # of a requested model name in a span attribute or a log line (the ledger's limit)
 _current: ContextVar[RequestTrace | None] = ContextVar("weir_request_trace", default=None)
 
 
@@ -84,7 +89,8 @@ class RequestTrace:
         self.started = time.monotonic()
         self.span: Span = trace.INVALID_SPAN
         self.tenant = ""
-        self.model = ""
+        self.model = ""  # as requested, cut to MAX_MODEL_CHARS
+        self.model_label = ""  # the served model's name or "unknown"
         self.error_type: str | None = None
 
     @contextlib.contextmanager
@@ -97,8 +103,9 @@ class RequestTrace:
     @contextlib.contextmanager
     def generation(self, body: SamplingFields, principal: Principal) -> Iterator[None]:
         """The generation span, current inside; a refusal or error raised inside ends it and the request."""
-        self.tenant, self.model = principal.tenant_name, body.model
-        name, attributes = f"{self.operation} {body.model}", self._request_attributes(body)
+        self.tenant, self.model = principal.tenant_name, body.model[:MAX_MODEL_CHARS]
+        self.model_label = self.telemetry.metrics.model(body.model)
+        name, attributes = f"{self.operation} {self.model_label}", self._request_attributes(body)
         self.span = self.telemetry.tracer.start_span(name, kind=SpanKind.INTERNAL, attributes=attributes)
         self.span.set_attribute(TENANT, principal.tenant_name)
         token = context.attach(trace.set_span_in_context(self.span))
@@ -107,7 +114,7 @@ class RequestTrace:
         except BaseException as exc:
             self.error_type = self.error_type or _error_type(exc)
             self.span.set_attribute("error.type", self.error_type)
-            self.span.set_status(Status(StatusCode.ERROR, str(exc)))
+            self.span.set_status(Status(StatusCode.ERROR, self.error_type))  # the message may quote input
             self._record(self._metric_attributes())
             self.span.end()
             log_request(self._log_fields(status="refused"))
@@ -119,7 +126,7 @@ class RequestTrace:
         attributes = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": PROVIDER,
-            "gen_ai.request.model": body.model,
+            "gen_ai.request.model": self.model,
             "gen_ai.request.stream": bool(body.stream),
         }
         optional = {
@@ -138,7 +145,7 @@ class RequestTrace:
         attributes = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": PROVIDER,
-            "gen_ai.request.model": self.model,
+            "gen_ai.request.model": self.model_label,
             TENANT: self.telemetry.metrics.tenant(self.tenant),
         }
         if self.error_type is not None:
@@ -191,7 +198,7 @@ class RequestTrace:
             span.add_event("gen_ai.first_token", timestamp=_epoch_ns(total.first_token_time))
         attributes = {
             "gen_ai.response.id": job.request_id,
-            "gen_ai.response.model": self.model,
+            "gen_ai.response.model": self.model_label,
             "gen_ai.response.finish_reasons": [tracker.finish_reason or "error"],
             "gen_ai.usage.input_tokens": tracker.prompt_tokens,
             "gen_ai.usage.output_tokens": total.output_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.telemetry import HTTP_METRIC_ATTRIBUTES
+from api.tracing import MAX_MODEL_CHARS
 from bench.otlp_receiver import Receiver, Span, otlp_receiver
 from tenants.admin import get_tenant
 from tests.api.server import ApiServer, run_db, serving, wait_until
@@ -22,6 +25,7 @@ from tests.fixtures.database import copy_of_template
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 LONG = 1500  # output tokens the tiny model would produce if nobody stopped it
+METRICS_BYTES_BOUND = 1_000_000  # what one scrape may weigh after the flood below
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,9 @@ def server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ApiServer]:
     """``weir serve`` exporting traces and metrics by OTLP to ``receiver``, logging JSON, with a public
-    ``/metrics``."""
+    ``/metrics`` and the HTTP metrics under both the old and the stable semantic conventions."""
     env = {
+        "OTEL_SEMCONV_STABILITY_OPT_IN": "http/dup",
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_SERVICE_NAME": "weir-test",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
@@ -332,3 +337,50 @@ def test_every_trace_starts_at_a_request(server: ApiServer, receiver: Receiver) 
     names = {s.name for s in receiver.snapshot()}
     assert "connect" not in names
     assert any(s.attributes.get("db.statement") for s in receiver.snapshot()), sorted(names)
+
+
+def test_refused_model_names_are_no_metric_labels(server: ApiServer, receiver: Receiver) -> None:
+    """100 requests refused for free, each naming a unique 10 KB model: one ``unknown`` series, and a
+    scrape under 1 MB without any of the names."""
+    tenant, key = _tenant(server)
+    client = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+    names = [uuid.uuid4().hex + "m" * 10_000 for _ in range(100)]
+    for name in names:
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=name, prompt="Hi", max_tokens=1)
+
+    response = httpx.get(f"{server.base_url}/metrics")
+    assert len(response.content) < METRICS_BYTES_BOUND
+    assert [name[:32] for name in names if name[:32] in response.text] == []
+    samples = _metrics(server)
+    duration = "gen_ai_server_request_duration_seconds_count"
+    refused = {"weir_tenant": tenant, "error_type": "model_not_found"}
+    assert _value(samples, duration, gen_ai_request_model="unknown", **refused) == len(names)
+    assert _value(samples, duration, **refused) == len(names)
+
+    # the span keeps what was asked for, cut short, and is named for no tenant's text either
+    generation = _generation_span(receiver, "gen_ai.request.model", names[-1][:MAX_MODEL_CHARS])
+    assert generation.name == "text_completion unknown"
+    assert generation.attributes["error.type"] == "model_not_found"
+
+
+def test_http_metrics_carry_no_header_or_path(server: ApiServer) -> None:
+    """The HTTP server metrics (old and stable conventions) are labelled by method, status, scheme and
+    protocol version only: a crafted ``Host`` header and path appear nowhere in ``/metrics``."""
+    marker = uuid.uuid4().hex
+    statuses = "http_server_duration_milliseconds_count"
+    before = _value(_metrics(server), statuses, http_status_code="401")
+    response = httpx.get(f"{server.base_url}/v1/models/{marker}", headers={"Host": f"{marker}.example"})
+    assert response.status_code == 401
+
+    def counted() -> dict[str, list] | None:
+        samples = _metrics(server)
+        return samples if _value(samples, statuses, http_status_code="401") > before else None
+
+    samples = wait_until(counted, what="the request in the HTTP metrics")
+    assert marker not in httpx.get(f"{server.base_url}/metrics").text
+    stable = {"http_response_status_code": "401", "http_request_method": "GET"}
+    assert _value(samples, "http_server_request_duration_seconds_count", **stable) >= 1
+    http = [sample for name, series in samples.items() if name.startswith("http_") for sample in series]
+    labels = {label.replace("_", ".") for sample in http for label in sample.labels} - {"le"}
+    assert labels <= {label.replace("_", ".") for label in HTTP_METRIC_ATTRIBUTES}, labels

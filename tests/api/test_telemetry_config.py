@@ -1,4 +1,5 @@
-"""Telemetry configuration from the OTEL_* variables, and the tenant label's cardinality cap."""
+"""Telemetry configuration from the OTEL_* variables, and the bounds on labels: the tenant label's cap, the
+model label's two values, the series per metric."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics import OTHER_TENANTS, TenantLabels
+from api.metrics import OTHER_TENANTS, UNKNOWN_MODEL, TenantLabels
 from api.request_log import JsonFormatter
-from api.telemetry import EXPORTERS, METRICS_EXPORTERS, Telemetry, exporters_from_env, uninstrumented_context
+from api.telemetry import (
+    EXPORTERS,
+    MAX_SERIES_PER_METRIC,
+    METRICS_EXPORTERS,
+    Telemetry,
+    exporters_from_env,
+    uninstrumented_context,
+)
 
 
 def _exporters(environ: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -91,6 +100,28 @@ def test_tenants_past_the_cap_are_other() -> None:
     labels = TenantLabels(cap=2)
     seen = [labels(name) for name in ("a", "b", "c", "a", "d", "b")]
     assert seen == ["a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+
+
+def test_the_model_label_is_the_served_name_or_unknown() -> None:
+    labels = Telemetry(environ={}, served_model=lambda: "smol").metrics.model
+    named = [labels(name) for name in ("smol", "gpt-4o", "smol ", "x" * 10_000)]
+    assert named == ["smol", UNKNOWN_MODEL, UNKNOWN_MODEL, UNKNOWN_MODEL]
+
+
+def test_a_metric_holds_at_most_2000_series_and_one_overflow() -> None:
+    assert MAX_SERIES_PER_METRIC == 2_000
+    telemetry = Telemetry(environ={})
+    for n in range(MAX_SERIES_PER_METRIC + 500):
+        telemetry.metrics.refused.add(1, {"weir.refusal.reason": f"r{n}"})
+    [family] = [
+        family
+        for family in text_string_to_metric_families(telemetry.prometheus_text().decode())
+        if family.name == "weir_requests_refused"
+    ]
+    series = [sample for sample in family.samples if sample.name == "weir_requests_refused_total"]
+    assert len(series) == MAX_SERIES_PER_METRIC + 1
+    assert [s.value for s in series if s.labels.get("otel_metric_overflow") == "true"] == [500]
+    telemetry.shutdown()
 
 
 def test_json_lines_carry_the_trace_id_inside_a_span() -> None:
