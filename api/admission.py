@@ -28,6 +28,7 @@ from tenants.auth import Principal
 if TYPE_CHECKING:
     from api.services import ServedModel
     from engine import AsyncEngine
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("weir.api")
 
@@ -142,9 +143,11 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) 
     )
 
 
-def _source(body: ChatCompletionRequest | CompletionRequest) -> PromptSource:
+def _source(body: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer) -> PromptSource:
     if isinstance(body, ChatCompletionRequest):
-        return PromptSource(messages=body.chat_messages())
+        # special-token text in a message stays text on a backend that applies its own template, as here
+        messages = [{**m, "content": tokenizer.plain_text(m["content"])} for m in body.chat_messages()]
+        return PromptSource(messages=messages)
     return PromptSource(prompt=body.prompt_input())
 
 
@@ -220,7 +223,7 @@ class Admission:
             tpot_target_s=principal.tenant.tpot_target_s,
             weight=principal.tenant.weight,
             start_within_s=principal.tenant.ttft_target_s + self._deadline_grace_s,
-            source=_source(body),
+            source=_source(body, self._engine.tokenizer),
         )
 
     def _shed(self, principal: Principal, prompt_len: int) -> None:

@@ -11,6 +11,10 @@ from typing import Any
 # Prompt tokens kept as leading context for the first output tokens (some tokenizers decode a word's leading
 # space only when a token precedes it).
 PROMPT_CONTEXT_TOKENS = 5
+ZERO_WIDTH_SPACE = "\u200b"  # breaks a special token's spelling in text sent to another server
+# Pushes whose text may be held back while it ends in an incomplete character: a UTF-8 character has at most
+# 4 bytes, so text still ending in U+FFFD after 4 pushes holds invalid bytes and is emitted as it is.
+MAX_HELD_PUSHES = 4
 
 
 class Tokenizer:
@@ -51,6 +55,11 @@ class Tokenizer:
         """Token ids of ``text``, with only the special tokens the model itself adds (e.g. a BOS)."""
         return _encode(self._backend, text, add_special_tokens=True)
 
+    def encode_output(self, text: str) -> list[int]:
+        """Token ids of generated ``text`` (what another server streamed): no special tokens added, and any
+        special token's spelling encoded as plain text, so that decoding the ids gives ``text`` back."""
+        return _encode(self._literal, text)
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` in the model's chat template, ending with the assistant prompt."""
         if not self._hf.chat_template:
@@ -74,6 +83,16 @@ class Tokenizer:
             ids.extend(_encode(encoder, text))
         return ids
 
+    def plain_text(self, text: str) -> str:
+        """``text`` with a zero-width space (U+200B) after the first character of every special token it
+        spells out (``<|im_start|>``), for a server that applies the chat template and tokenizes it itself:
+        there too the spelling stays text and never becomes a control token, as in
+        :meth:`apply_chat_template`."""
+        for special in self._special_texts:
+            if len(special) > 1 and special in text:
+                text = text.replace(special, f"{special[0]}{ZERO_WIDTH_SPACE}{special[1:]}")
+        return text
+
     def _render(self, messages: list[dict[str, Any]]) -> str:
         return self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -93,7 +112,9 @@ class IncrementalDetokenizer:
 
     Each push decodes only a short window: the tokens already emitted since the last completed piece (as
     context) plus the new ones. Text that ends in an incomplete character (decoded as U+FFFD) is held back
-    until the following tokens complete it, or until :meth:`flush`.
+    until the following tokens complete it, or until :meth:`flush`; tokens that add no text or end in U+FFFD
+    are held for at most ``MAX_HELD_PUSHES`` pushes, so that the window stays a few pushes long whatever
+    the tokens (invalid bytes, skipped special tokens).
     """
 
     def __init__(
@@ -104,6 +125,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = len(self._ids)  # tokens before this have been emitted as text
+        self._held_pushes = 0  # pushes since then
 
     def _window_text(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
@@ -111,12 +133,15 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         """Add new tokens; return the text they complete (possibly empty)."""
         self._ids.extend(token_ids)
+        self._held_pushes += 1
         prefix = self._window_text(self._prefix_offset, self._read_offset)
         text = self._window_text(self._prefix_offset)
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        waiting = len(text) <= len(prefix) or text.endswith("\ufffd")
+        if waiting and self._held_pushes < MAX_HELD_PUSHES:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        self._held_pushes = 0
         return text[len(prefix) :]
 
     def flush(self) -> str:
