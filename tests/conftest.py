@@ -1,3 +1,3 @@
-"""Shared fixtures: a real PostgreSQL and real model weights (see tests/fixtures/)."""
+"""Shared fixtures: a real PostgreSQL, real model weights and the API suite's server (see tests/fixtures/)."""
 
-pytest_plugins = ["tests.fixtures.database", "tests.fixtures.models"]
+pytest_plugins = ["tests.fixtures.database", "tests.fixtures.models", "tests.fixtures.api_server"]
