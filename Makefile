@@ -40,7 +40,7 @@ run: install
 test: install browser
 	$(WEIR) model import
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 lint: install
 	$(VENV)/bin/ruff check .
