@@ -5,6 +5,10 @@ Both stream a request as ``RequestOutput`` deltas (text, token ids where known, 
 finish reason) and leave the times to the pool. A backend that cannot be reached, answers 5xx, or breaks off
 its stream raises ``BackendFailed``; a request the backend refuses as bad (4xx) ends with finish reason
 ``error`` and is not retried elsewhere.
+
+What a backend sends is read with a size cap: ``stream_bytes(max_tokens)`` for a request's stream (more is
+``BackendFailed``), ``BODY_BYTES`` for a probe's answer (more is a failed probe) and for an error body (more
+is refused unread). Its counts are checked by the pool (``api/pool.py``), which holds them to what it saw.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ log = logging.getLogger("weir.api")
 _TIMEOUT = httpx.Timeout(10.0, read=None)  # a stream may be silent while the backend queues the request
 _LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=64)  # the window bounds the streams
 _FINISH = {"stop": "stop", "length": "length", "eos": "stop", "tool_calls": "stop", "content_filter": "stop"}
+STREAM_BYTES_BASE = 64 << 10  # bytes of a request's stream besides its tokens: framing, usage, keep-alives
+STREAM_BYTES_PER_TOKEN = 2 << 10  # bytes per output token allowed (a token's chunk is a few hundred)
+BODY_BYTES = 1 << 20  # a probe's answer or an error body
+
+
+def stream_bytes(max_tokens: int) -> int:
+    """The most bytes read from the stream of a request for ``max_tokens`` output tokens."""
+    return STREAM_BYTES_BASE + STREAM_BYTES_PER_TOKEN * max_tokens
 
 
 class BackendFailed(Exception):
@@ -91,37 +103,73 @@ class Backend:
         raise NotImplementedError
 
     async def _get(self, path: str) -> bytes:
+        """The body of a 200 answer to ``GET path`` (at most ``BODY_BYTES``), else ``BackendFailed``."""
         try:
-            response = await self._http.get(path, timeout=5.0)
+            async with self._http.stream("GET", path, timeout=5.0) as response:
+                if response.status_code != 200:
+                    raise BackendFailed(f"{self.name}: GET {path} answered {response.status_code}")
+                return await _read(response, BODY_BYTES, f"{self.name}: GET {path}")
         except httpx.HTTPError as exc:
             raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise BackendFailed(f"{self.name}: GET {path} answered {response.status_code}")
-        return response.content
 
     async def _post_lines(self, ticket: Ticket, path: str, **body) -> AsyncIterator[str]:
         """POST and stream the answer's lines; a 4xx raises ``_Refused``, anything else that is not a
-        whole 200 stream ``BackendFailed``."""
+        whole 200 stream of at most ``stream_bytes(max_tokens)`` ``BackendFailed``."""
         try:
             async with self._http.stream("POST", path, **body) as response:
                 if 400 <= response.status_code < 500:
-                    raise _Refused(_refused(ticket, response.status_code, await response.aread()))
+                    raise _Refused(await _refused(ticket, response))
                 if response.status_code != 200:
                     raise BackendFailed(f"{self.name} answered {response.status_code}")
-                async for line in response.aiter_lines():
+                cap = stream_bytes(ticket.params.max_tokens)
+                async for line in _lines(response, cap, f"{self.name}: the stream of {ticket.request_id}"):
                     yield line
         except httpx.HTTPError as exc:
             raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
 
 
-def _refused(ticket: Ticket, status: int, body: bytes) -> RequestOutput:
+async def _read(response: httpx.Response, cap: int, what: str) -> bytes:
+    """The answer's body; ``BackendFailed`` once it passes ``cap`` bytes (the rest is not read)."""
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > cap:
+            raise BackendFailed(f"{what} passed {cap} bytes")
+    return bytes(body)
+
+
+async def _lines(response: httpx.Response, cap: int, what: str) -> AsyncIterator[str]:
+    """The answer's lines (without their ends), each one only while the bytes up to its end are within
+    ``cap``; ``BackendFailed`` at the first that is not (the rest is not read)."""
+    buffer = bytearray()
+    taken = 0  # bytes of the lines handed out
+    async for chunk in response.aiter_bytes():
+        start, searched = 0, len(buffer)  # the buffer holds no line end before ``searched``
+        buffer += chunk
+        while (end := buffer.find(b"\n", searched)) != -1 and taken + end + 1 - start <= cap:
+            taken += end + 1 - start
+            yield buffer[start:end].decode(errors="replace").removesuffix("\r")
+            start = searched = end + 1
+        del buffer[:start]
+        if taken + len(buffer) > cap:
+            raise BackendFailed(f"{what} passed {cap} bytes")
+    if buffer:
+        yield buffer.decode(errors="replace").removesuffix("\r")
+
+
+async def _refused(ticket: Ticket, response: httpx.Response) -> RequestOutput:
     """The last delta of a request the backend refused as bad (not retried: another would refuse it too)."""
     try:
-        message = msgspec.json.decode(body)["error"]["message"]
-    except (msgspec.DecodeError, KeyError, TypeError):
-        message = body.decode(errors="replace")[:500]
+        body = await _read(response, BODY_BYTES, "the error body")
+    except BackendFailed as exc:
+        message = str(exc)
+    else:
+        try:
+            message = str(msgspec.json.decode(body)["error"]["message"])[:500]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            message = body.decode(errors="replace")[:500]
     return RequestOutput(
-        ticket.request_id, finished=True, finish_reason="error", error=f"{status}: {message}"
+        ticket.request_id, finished=True, finish_reason="error", error=f"{response.status_code}: {message}"
     )
 
 
@@ -129,9 +177,12 @@ class WeirEngineBackend(Backend):
     """A ``weir engine`` process (``api/engine_server.py``)."""
 
     async def probe(self) -> BackendInfo:
-        health = msgspec.json.decode(await self._get(wire.HEALTH_PATH))
-        stats = wire.decode_stats(await self._get(wire.STATS_PATH))
-        return BackendInfo(health["max_model_len"], health["block_size"], stats)
+        try:
+            health = wire.decode_health(await self._get(wire.HEALTH_PATH))
+            stats = wire.decode_stats(await self._get(wire.STATS_PATH))
+        except ValueError as exc:
+            raise BackendFailed(f"{self.name}: {exc}") from None
+        return BackendInfo(health.max_model_len, health.block_size, stats)
 
     async def stream(self, ticket: Ticket) -> AsyncIterator[RequestOutput]:
         body = wire.encode_request(
@@ -154,6 +205,8 @@ class WeirEngineBackend(Backend):
         except _Refused as refused:
             yield refused.last
             return
+        except ValueError as exc:
+            raise BackendFailed(f"{self.name}: {exc}") from None
         if not finished:
             raise BackendFailed(f"{self.name} ended the stream before the request finished")
 
@@ -166,10 +219,13 @@ class OpenAIBackend(Backend):
         self.model = spec.model
 
     async def probe(self) -> BackendInfo:
-        models = msgspec.json.decode(await self._get("/models"))
+        try:
+            models = msgspec.json.decode(await self._get("/models"))
+        except msgspec.DecodeError as exc:
+            raise BackendFailed(f"{self.name}: /models is not JSON: {exc}") from None
         if self.model is None:
             try:
-                self.model = models["data"][0]["id"]
+                self.model = str(models["data"][0]["id"])
             except (KeyError, IndexError, TypeError):
                 raise BackendFailed(f"{self.name}: /models names no model") from None
         return BackendInfo(self.spec.max_model_len)
@@ -193,8 +249,8 @@ class OpenAIBackend(Backend):
         return "/completions", {**body, "prompt": source.prompt}
 
     async def stream(self, ticket: Ticket) -> AsyncIterator[RequestOutput]:
+        """The text as it comes (the pool counts its tokens), then a last delta with the server's usage."""
         path, body = self._body(ticket)
-        chunks = 0
         finish = None
         usage = None
         try:
@@ -209,8 +265,7 @@ class OpenAIBackend(Backend):
                     text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                     finish = choice.get("finish_reason") or finish
                     if text:
-                        chunks += 1  # an estimate until the usage arrives: a chunk is one token or more
-                        yield RequestOutput(ticket.request_id, text=text, output_tokens=chunks)
+                        yield RequestOutput(ticket.request_id, text=text)
         except _Refused as refused:
             yield refused.last
             return
@@ -218,22 +273,28 @@ class OpenAIBackend(Backend):
             raise BackendFailed(f"{self.name}: a chunk that is not JSON: {exc}") from None
         if finish is None:
             raise BackendFailed(f"{self.name} ended the stream without a finish reason")
-        yield _last(ticket, finish, usage, chunks)
+        yield _last(ticket, finish, usage)
 
 
-def _last(ticket: Ticket, finish: str, usage: dict | None, chunks: int) -> RequestOutput:
-    """The final delta: the backend's usage (the gateway's own prompt count and the chunks when it sent
-    none)."""
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
+def _last(ticket: Ticket, finish: str, usage: object) -> RequestOutput:
+    """The final delta with the backend's usage; a count it did not send as a non-negative integer is the
+    gateway's own (its prompt count, no cached tokens, and the output the pool counted: 0 here)."""
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
     return RequestOutput(
         ticket.request_id,
         finished=True,
-        finish_reason=_FINISH.get(finish, "stop"),
-        prompt_tokens=usage.get("prompt_tokens") or len(ticket.prompt_ids),
-        cached_tokens=details.get("cached_tokens") or 0,
-        output_tokens=usage.get("completion_tokens", chunks),
+        finish_reason=_FINISH.get(str(finish), "stop"),
+        prompt_tokens=_count(usage.get("prompt_tokens")) or len(ticket.prompt_ids),
+        cached_tokens=_count(details.get("cached_tokens")),
+        output_tokens=_count(usage.get("completion_tokens")),
     )
+
+
+def _count(value: object) -> int:
+    """``value`` if it is a non-negative integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def make_backend(spec: BackendSpec) -> Backend:

@@ -15,7 +15,7 @@ OpenAI's error envelope.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -26,6 +26,8 @@ HEALTH_PATH = "/health"
 STATS_PATH = "/stats"
 
 _encoder = msgspec.json.Encoder()
+Count = Annotated[int, msgspec.Meta(ge=0)]
+T = TypeVar("T")
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,10 +79,7 @@ def encode_request(
 
 def decode_request(body: bytes) -> GenerateRequest:
     """ValueError for a body that is not a generate request."""
-    try:
-        return msgspec.json.decode(body, type=GenerateRequest)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"invalid generate request: {exc}") from None
+    return _decode(body, GenerateRequest, "generate request")
 
 
 def encode_delta(delta: RequestOutput) -> bytes:
@@ -99,21 +98,38 @@ def encode_delta(delta: RequestOutput) -> bytes:
     return _encoder.encode(line) + b"\n"
 
 
+class _Delta(msgspec.Struct):
+    """A delta line as the gateway reads it: every field, the right types, counts non-negative."""
+
+    text: str
+    token_ids: list[Count]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: Count
+    cached_tokens: Count
+    output_tokens: Count
+    queue_s: Annotated[float, msgspec.Meta(ge=0)] | None
+    error: str | None
+
+
+class Health(msgspec.Struct):
+    """What the gateway reads of ``GET /health``."""
+
+    max_model_len: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+
+
 def decode_delta(request_id: str, line: bytes) -> RequestOutput:
-    """A delta line as a ``RequestOutput`` (times are left to the receiver)."""
-    data = msgspec.json.decode(line)
-    return RequestOutput(
-        request_id,
-        text=data["text"],
-        token_ids=list(data["token_ids"]),
-        finished=data["finished"],
-        finish_reason=data["finish_reason"],
-        prompt_tokens=data["prompt_tokens"],
-        cached_tokens=data["cached_tokens"],
-        output_tokens=data["output_tokens"],
-        queue_time=data["queue_s"],
-        error=data["error"],
-    )
+    """A delta line as a ``RequestOutput`` (times are left to the receiver); ValueError for a line that is
+    not one."""
+    fields = msgspec.structs.asdict(_decode(line, _Delta, "delta"))
+    fields["queue_time"] = fields.pop("queue_s")
+    return RequestOutput(request_id, **fields)
+
+
+def decode_health(body: bytes) -> Health:
+    """ValueError for a body that is not a health answer."""
+    return _decode(body, Health, "health answer")
 
 
 def encode_stats(stats: EngineStats) -> bytes:
@@ -121,4 +137,13 @@ def encode_stats(stats: EngineStats) -> bytes:
 
 
 def decode_stats(body: bytes) -> EngineStats:
-    return EngineStats(**msgspec.json.decode(body))
+    """ValueError for a body that is not a stats snapshot; fields this gateway does not know (a newer
+    engine's) are left out."""
+    return _decode(body, EngineStats, "stats snapshot")
+
+
+def _decode(body: bytes, kind: type[T], what: str) -> T:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        raise ValueError(f"invalid {what}: {exc}") from None

@@ -12,8 +12,13 @@ and the context length), so admission, streaming, settlement and metering are th
 - **Routing.** Among the healthy backends with room, the one with the least outstanding cost; the backend
   that last took a request of the same tenant with the same prompt prefix (its KV blocks are there) when its
   outstanding cost is within one request's cost of the least.
-- **Health.** Every backend is probed every ``probe_interval_s``; one that fails a probe or a request is
-  taken out and comes back when a probe succeeds.
+- **Health.** Every backend is probed every ``probe_interval_s``; one that fails a probe (no answer, or one
+  that cannot be read) or a request is taken out and comes back when a probe succeeds.
+- **Counts.** A backend's counts are held to what the gateway saw (``_counts``): the prompt is the gateway's
+  own count once the request produced output (never more before), the output never fewer than the tokens
+  passed on, and a claim above those counts up to ``max_tokens``. An OpenAI-compatible server's text is
+  counted in tokens with the gateway's tokenizer, chunk by chunk, so the output allowance holds it to the
+  reservation however many tokens a chunk carries.
 - **Failures.** A request whose backend fails before its first token went out is sent again to another
   backend (it keeps its place: it is first in the queue). After the first token it ends with finish reason
   ``error`` and the counts of what was sent (the API ends the stream with an error event and bills that);
@@ -82,7 +87,7 @@ class _Pending:
     queue_time: float | None = None
     first_token_time: float | None = None
     last: RequestOutput | None = None  # the latest delta (cumulative counts)
-    text_sent: str = ""
+    streamed: int = 0  # output token ids passed on
     done: bool = False
 
     @property
@@ -369,7 +374,11 @@ class BackendPool:
 
     def _on_delta(self, pending: _Pending, member: _Member, delta: RequestOutput) -> None:
         now = time.monotonic()
-        new = max(0, delta.output_tokens - pending.output_sent)
+        ids = delta.token_ids
+        if member.backend.spec.kind == "openai":  # text alone: its tokens as the gateway tokenizes it
+            ids = self.tokenizer.encode_output(delta.text)
+        prompt, cached, output = self._counts(pending, delta, len(ids))
+        new = output - pending.output_sent
         if new and not pending.started:
             pending.first_token_time = now
             if delta.queue_time is not None:
@@ -377,8 +386,6 @@ class BackendPool:
             member.window.observe_first_token(
                 now - pending.dispatched_at, pending.ttft_target_s, pending.cost
             )
-            prompt = delta.prompt_tokens or len(pending.seq.prompt_token_ids)
-            cached = min(delta.cached_tokens, prompt)
             self.policy.on_tokens(pending.seq, prompt - cached, 0, cached)
             self._served_cost(pending, prompt, 0, self._weights.prefill * len(pending.seq.prompt_token_ids))
         if new:
@@ -387,20 +394,19 @@ class BackendPool:
         out = RequestOutput(
             pending.request_id,
             text=delta.text,
-            token_ids=delta.token_ids,
+            token_ids=ids,
             token_times=[now] * new,
             finished=delta.finished,
             finish_reason=delta.finish_reason,
-            prompt_tokens=delta.prompt_tokens,
-            cached_tokens=delta.cached_tokens,
-            output_tokens=delta.output_tokens,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            output_tokens=output,
             arrival_time=pending.seq.arrival_time,
             queue_time=pending.queue_time,
             first_token_time=pending.first_token_time,
             error=delta.error,
         )
         pending.last = out
-        pending.text_sent += delta.text
         if not delta.finished:
             pending.deltas.put_nowait(out)
             return
@@ -408,6 +414,18 @@ class BackendPool:
             tpot = (now - pending.first_token_time) / (out.output_tokens - 1)
             member.window.observe_tpot(tpot, pending.tpot_target_s)
         self._finish(pending, out)
+
+    def _counts(self, pending: _Pending, delta: RequestOutput, new_ids: int) -> tuple[int, int, int]:
+        """The delta's prompt, cached and output counts, whatever the backend sent: the output is the token
+        ids passed on, or the count before, or the backend's if higher up to ``max_tokens`` (ids beyond
+        that are cut by the output allowance); the prompt is the gateway's own count once there is output,
+        at most that before; the cached tokens are within the prompt."""
+        pending.streamed += new_ids
+        claimed = min(delta.output_tokens, pending.seq.params.max_tokens)
+        output = max(pending.streamed, pending.output_sent, claimed)
+        own = len(pending.seq.prompt_token_ids)
+        prompt = own if output else min(own, delta.prompt_tokens)
+        return prompt, min(delta.cached_tokens, prompt), output
 
     def _served_cost(self, pending: _Pending, prompt: int, output: int, cost: float) -> None:
         """Count what a backend served: off the request's outstanding cost, into the pool's rate."""
@@ -445,11 +463,7 @@ class BackendPool:
             self._waiting.insert(0, pending)
             self._wake.set()
             return
-        output = pending.output_sent
-        if member.backend.spec.kind == "openai":  # its chunk count is an estimate: count what was sent
-            output = len(self.tokenizer.encode(pending.text_sent))
         last = self._last(pending, "error")
-        last.output_tokens = output
         last.error = f"the backend failed after the answer had started ({exc})"
         self._finish(pending, last)
 
@@ -499,8 +513,8 @@ class BackendPool:
     async def _probe(self, member: _Member) -> None:
         try:
             member.info = await member.backend.probe()
-        except BackendFailed as exc:
-            self._take_out(member, str(exc))
+        except Exception as exc:  # whatever it answered, a probe that fails leaves the loop probing
+            self._take_out(member, f"probe failed: {exc}")
             return
         if not member.healthy:
             member.healthy = True

@@ -71,11 +71,22 @@ class Settlement:
             self._counts["clients_disconnected"] += 1
         if not tracker.finished:
             self._engine.abort(job.request_id)
-        cost = tracker.cost(self._weights)
+        cost = job.reservation.cost  # charged if the counts cannot be costed (a bug, raised after)
+        try:
+            cost = tracker.cost(self._weights)
+        finally:  # whatever happened, the reservation and its slot go back and the usage is recorded
+            self._settle(job, cost)
+            self._record(job, tracker, cost, status, finish_reason)
+
+    def _settle(self, job: Job, cost: float) -> None:
         try:
             self._store.settle(job.reservation, cost)
         except Exception:
             log.exception("could not settle the reservation of %s", job.request_id)
+
+    def _record(
+        self, job: Job, tracker: Tracker, cost: float, status: str, finish_reason: str | None
+    ) -> None:
         event = {
             "request_id": job.request_id,
             "tenant_id": job.tenant_id,
