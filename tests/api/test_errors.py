@@ -7,7 +7,8 @@ import openai
 import pytest
 
 from tenants.admin import create_key, revoke_key, set_tenant_status
-from tests.api.server import ApiServer, run_db
+from tenants.db import EmbeddedPostgres
+from tests.api.server import ApiServer, run_db, wait_until
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -191,3 +192,36 @@ def test_spent_budget_is_insufficient_quota_not_retried(api_server: ApiServer, m
     assert refused.value.code == "insufficient_quota" and refused.value.type == "insufficient_quota"
     assert refused.value.response.headers["x-should-retry"] == "false"
     assert api_server.wait_shed_reasons(tenant_id) == ["budget"]  # one attempt: the client did not retry
+
+
+def test_an_unreachable_database_is_a_503_during_auth_and_reservation(
+    admission_server: ApiServer, admission_postgres: tuple[EmbeddedPostgres, str]
+) -> None:
+    """With its database stopped, the server answers a key it has not seen (auth) and a key it knows but
+    a tenant it has reserved nothing for (the reservation) with a retryable 503, and recovers once the
+    database is back."""
+    server, (postgres, _) = admission_server, admission_postgres
+    model = _model(server)
+    _, unseen = run_db(server.database_url, server.create_tenant)
+    known_id, known = run_db(server.database_url, server.create_tenant, cost_per_minute=10_000)
+    assert _client(server, known).models.list().data  # its key is now cached (for 5 s)
+    url = f"{server.v1}/completions"
+    body = {"model": model, "prompt": "x", "max_tokens": 1}
+    postgres.stop()
+    try:
+        assert _client(server, known).models.list().data, "the known key was looked up again, not cached"
+        for key, stream in ((known, True), (known, False), (unseen, False)):
+            response = httpx.post(
+                url, json={**body, "stream": stream}, headers={"Authorization": f"Bearer {key}"}
+            )
+            error = _envelope(response, 503)
+            assert error["code"] == "service_unavailable" and error["type"] == "server_error"
+            assert response.headers["retry-after"] == "2"
+    finally:
+        postgres.start()
+
+    def answered() -> bool:  # pooled connections to the stopped server are found dead one by one
+        return httpx.post(url, json=body, headers={"Authorization": f"Bearer {unseen}"}).status_code == 200
+
+    wait_until(answered, what="an answer once the database is back")
+    assert server.usage_rows(known_id) == []  # the refused requests were not billed
