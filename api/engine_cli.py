@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 
 from api.engine_options import add_engine_options, engine_config
 
@@ -15,7 +16,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve one engine (the model, its KV cache and scheduler) over Weir's engine protocol "
         "(docs/architecture.md, 'Backends'). No tenants or keys: bind it to a private address or a socket.",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="with --port: the address to listen on")
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a --host that is not a loopback address (the engine checks no keys: whoever reaches "
+        "the port gets unmetered inference as any tenant)",
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port", type=int, help="listen on this TCP port")
     where.add_argument("--socket", metavar="PATH", help="listen on this unix socket")
@@ -25,8 +32,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    if args.port is not None and not 0 < args.port < 65536:
-        raise SystemExit(f"weir engine: error: --port must be in 1..65535, got {args.port}")
+    if args.port is not None:
+        if not 0 < args.port < 65536:
+            raise SystemExit(f"weir engine: error: --port must be in 1..65535, got {args.port}")
+        if not (args.allow_remote or _is_loopback(args.host)):
+            raise SystemExit(
+                f"weir engine: error: --host {args.host} is not a loopback address: the engine checks no "
+                "keys, so anyone who reaches it gets unmetered inference as any tenant; listen on 127.0.0.1 "
+                "or a --socket, or pass --allow-remote on a private network"
+            )
     config = engine_config(args, "engine")
     import logging
 
@@ -44,3 +58,13 @@ def _engine(args: argparse.Namespace) -> int:
     engine = AsyncEngine(dataclasses.replace(config, model=str(model_dir)))
     run_engine_server(engine, args.host, args.port, args.socket, args.log_level)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address (a hostname or ``0.0.0.0`` is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import stat
 
 import msgspec
 
@@ -137,17 +140,47 @@ async def _reply(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def private_unix_socket(path: str) -> socket.socket:
+    """A unix socket bound at ``path`` that only this user may connect to: mode 0600 from its creation,
+    never wider (the umask is narrowed around ``bind``, which runs before the engine's thread starts). A
+    stale socket left at ``path`` is replaced; any other file there is an error."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(umask)
+    return sock
+
+
 def run_engine_server(
     engine: AsyncEngine, host: str, port: int | None, socket_path: str | None, log_level: str
 ) -> None:
-    """Serve ``engine`` on ``host:port`` or on the unix socket ``socket_path`` until interrupted."""
+    """Serve ``engine`` on ``host:port`` or on the unix socket ``socket_path`` (mode 0600: uvicorn would
+    make it 0666, open to every local user) until interrupted."""
     import uvicorn
 
-    where = {"uds": socket_path} if socket_path else {"host": host, "port": port}
+    listener = None
+    if socket_path:
+        try:
+            listener = private_unix_socket(socket_path)
+        except OSError as exc:
+            raise SystemExit(f"weir engine: error: cannot listen on {socket_path}: {exc.strerror}") from None
+    where = {"fd": listener.fileno()} if listener else {"host": host, "port": port}
     config = uvicorn.Config(
         EngineApp(engine), lifespan="on", log_level=log_level, timeout_graceful_shutdown=5, **where
     )
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if listener is not None:
+            listener.close()
     if not server.started:
         raise SystemExit("weir engine: error: the server did not start (see the log above)")
