@@ -1,4 +1,5 @@
-"""A real ``weir serve`` process (tiny model, fresh migrated database) and helpers to drive and inspect it."""
+"""Fixtures of the API tests alone (the API suite's ``weir serve``, which tests/bench drives too, is the
+session's one in tests/fixtures/api_server.py)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,11 @@ from pathlib import Path
 import pytest
 
 from tenants.db import EmbeddedPostgres, upgrade_to_head
-from tests.api.server import ApiServer, run_db, serving
-from tests.fixtures.database import copy_of_template, embedded_test_server
+from tests.api.server import ApiServer, serving
+from tests.fixtures.api_server import CLIENT_TIMEOUT_S  # noqa: F401 (the API tests import it from here)
+from tests.fixtures.database import embedded_test_server
 
-CLIENT_TIMEOUT_S = 3.0
 ADMISSION_MAX_WAITING = 4  # the admission server's --max-waiting
-
-
-@pytest.fixture(scope="session")
-def api_database_url(pg_server_url: str, migrated_template: str) -> Iterator[str]:
-    """One migrated database for the API suite's server (tests use their own tenants in it)."""
-    with copy_of_template(pg_server_url, migrated_template, prefix="weir_api") as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def api_server(
-    tiny_model_dir: Path, api_database_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ApiServer]:
-    """``weir serve`` on a free port with the tiny model and a short client timeout."""
-    options = ["--client-timeout", str(CLIENT_TIMEOUT_S), "--kv-cache-memory", "8", "--log-level", "warning"]
-    with serving(tiny_model_dir, api_database_url, tmp_path_factory.mktemp("api-state"), *options) as server:
-        yield server
 
 
 @pytest.fixture(scope="session")
@@ -59,13 +43,3 @@ def admission_server(
     state = tmp_path_factory.mktemp("admission-state")
     with serving(tiny_model_dir, admission_postgres[1], state, *options) as server:
         yield server
-
-
-@pytest.fixture
-def make_tenant(api_server: ApiServer):
-    """``make_tenant(**quota_or_targets) -> (tenant_id, api_key)``: a fresh tenant with one key."""
-
-    def make(**options) -> tuple[int, str]:
-        return run_db(api_server.database_url, api_server.create_tenant, **options)
-
-    return make
