@@ -9,8 +9,10 @@
   answer. Its body must be complete within ``body_timeout_s`` of the headers; otherwise the client gets a
   408 and the application sees a disconnect. Between requests uvicorn's keep-alive timer closes an idle
   connection.
-- **Connection cap.** At most ``max_connections`` connections are served at once. One opened beyond that
-  is answered 503 on its first request and closed.
+- **Connection caps.** At most ``max_connections`` connections are served at once, at most
+  ``max_connections_per_address`` from one address, and a quarter of the slots are kept for connections
+  that carried an authenticated request (``api/connection_slots.py``). One opened beyond a cap is answered
+  503 on its first request and closed.
 - **Refusals in OpenAI's envelope.** Request headers over ``MAX_HEADER_BYTES`` get a 431, a malformed
   request a 400, both with a JSON ``{"error": {...}}`` body instead of uvicorn's plain text.
 
@@ -31,6 +33,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from api.connection_slots import AUTHENTICATED, ConnectionSlots
 from api.errors import APIError
 from api.transport_limits import MAX_HEADER_BYTES, TransportLimits
 
@@ -73,12 +76,12 @@ async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
 class LimitedProtocol(H11Protocol):
     """``H11Protocol`` with read deadlines, a connection cap, small send buffers and enveloped refusals.
 
-    Use a subclass made by ``limited_protocol``: it carries the limits and the set of admitted connections.
+    Use a subclass made by ``limited_protocol``: it carries the limits and the server's connection slots.
     """
 
     limits: ClassVar[TransportLimits]
     send_buffer_bytes: ClassVar[int]
-    admitted: ClassVar[set[LimitedProtocol]]
+    slots: ClassVar[ConnectionSlots[LimitedProtocol]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -91,10 +94,11 @@ class LimitedProtocol(H11Protocol):
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         transport.set_write_buffer_limits(high=self.send_buffer_bytes)
-        if len(self.admitted) < self.limits.max_connections:
-            self.admitted.add(self)
+        refusal = self.slots.admit(self, self.client[0] if self.client else "")
+        if refusal is None:
+            self.app = self._reporting_authentication(self.app)
         else:
-            log.warning("%s: over %d connections; refusing it", self._peer(), self.limits.max_connections)
+            log.warning("%s: %s; refusing it", self._peer(), refusal)
             self.app = _over_capacity
         self._follow_request()
 
@@ -111,7 +115,26 @@ class LimitedProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._set_deadline(None)
-        self.admitted.discard(self)
+        self.slots.release(self)
+
+    def awaiting_request(self) -> bool:
+        """No request of this connection is in the application: it is idle or still sending headers."""
+        return self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE
+
+    def evict(self) -> None:
+        """Close the connection (waiting for a request) to give its slot to a newer one."""
+        log.info("%s: closed, waiting for a request while the slots are full", self._peer())
+        self._set_deadline(None)
+        self.transport.close()
+
+    def _reporting_authentication(self, app: Any) -> Any:
+        """``app`` with a scope extension that moves this connection to the authenticated ones."""
+
+        async def reporting(scope: Any, receive: Any, send: Any) -> None:
+            scope.setdefault("extensions", {})[AUTHENTICATED] = lambda: self.slots.authenticated(self)
+            await app(scope, receive, send)
+
+        return reporting
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot parse: the envelope, 431 when the headers are too big."""
@@ -194,5 +217,5 @@ class LimitedProtocol(H11Protocol):
 
 def limited_protocol(limits: TransportLimits, send_buffer_bytes: int) -> type[LimitedProtocol]:
     """A ``LimitedProtocol`` class for one server: ``limits``, send buffers of about ``send_buffer_bytes``."""
-    attributes = {"limits": limits, "send_buffer_bytes": send_buffer_bytes, "admitted": set()}
+    attributes = {"limits": limits, "send_buffer_bytes": send_buffer_bytes, "slots": ConnectionSlots(limits)}
     return type("LimitedProtocol", (LimitedProtocol,), attributes)

@@ -9,11 +9,13 @@ from litestar.exceptions import InternalServerException
 from litestar.types import ASGIApp
 
 from api import tracing
+from api.connection_slots import mark_authenticated
 from api.errors import APIError
 from api.openapi import REQUEST_BODY
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body
 from api.services import Services
 from api.sse_response import CompletionResponse
+from tenants.auth import Principal
 
 log = logging.getLogger("weir.api")
 
@@ -28,12 +30,19 @@ async def _read_body(request: Request) -> bytes:
         raise APIError(400, "The request body was not received in full.", code="incomplete_body") from None
 
 
+async def _authenticate(request: Request, services: Services) -> Principal:
+    """The caller's principal (or a 401); its connection then counts as authenticated (a kept slot)."""
+    principal = await services.store.authenticate(request.headers.get("authorization"))
+    mark_authenticated(request.scope)
+    return principal
+
+
 async def _completion(request: Request, struct: type[SamplingFields], operation: str) -> ASGIApp:
     services: Services = request.app.state.services
     services.check_ready()
     telemetry = tracing.begin(request.app.state.telemetry, operation)
     with telemetry.child("auth"):
-        principal = await services.store.authenticate(request.headers.get("authorization"))
+        principal = await _authenticate(request, services)
     async with services.store.rate_limit_headers_on_refusal(principal):
         body = decode_body(await _read_body(request), struct)
         with telemetry.generation(body, principal):
@@ -55,7 +64,7 @@ async def completions(request: Request) -> ASGIApp:
 async def list_models(request: Request) -> dict:
     services: Services = request.app.state.services
     services.check_ready()
-    await services.store.authenticate(request.headers.get("authorization"))
+    await _authenticate(request, services)
     return {"object": "list", "data": [services.model.card()]}
 
 
@@ -63,7 +72,7 @@ async def list_models(request: Request) -> dict:
 async def retrieve_model(request: Request, model_id: str) -> dict:
     services: Services = request.app.state.services
     services.check_ready()
-    await services.store.authenticate(request.headers.get("authorization"))
+    await _authenticate(request, services)
     services.model.check(model_id)
     return services.model.card()
 

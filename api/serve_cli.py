@@ -90,6 +90,10 @@ def _add_transport_options(serve: argparse.ArgumentParser) -> None:
             limits.max_connections,
             "serve at most N connections at once; a request on one more gets a 503",
         ),
+        "--max-connections-per-address": (
+            limits.max_connections_per_address,
+            "serve at most N connections at once from one client address (behind a proxy: all of them)",
+        ),
         "--header-timeout": (
             limits.header_timeout_s,
             "close a connection whose request headers are not complete this long after it opened or the "
@@ -144,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_waiting",
         "max_body_bytes",
         "max_connections",
+        "max_connections_per_address",
         "header_timeout",
         "body_timeout",
         "keep_alive_timeout",
@@ -204,6 +209,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     limits = TransportLimits(
         max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,

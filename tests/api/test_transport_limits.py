@@ -1,5 +1,8 @@
-"""Transport limits of a real ``weir serve``, driven with raw sockets: read deadlines, the connection cap,
-and refusals that h11 detects before the application runs, all in OpenAI's error envelope.
+"""Transport limits of a real ``weir serve``, driven with raw sockets: read deadlines, the connection caps
+(in all, per client address, and the slots kept for authenticated connections), and refusals that h11
+detects before the application runs, all in OpenAI's error envelope.
+
+Client addresses other than 127.0.0.1 are other loopback addresses (all of 127.0.0.0/8 is local on Linux).
 
 Deadlines are set to one second on the command line; a socket timeout far above that is the failure bound.
 """
@@ -46,15 +49,30 @@ def quick_server(start_server: Callable[..., ApiServer]) -> ApiServer:
     return start_server("--header-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "1")
 
 
+PATIENT = ("--header-timeout", "600", "--keep-alive-timeout", "600")  # idle connections stay for the test
+SLOTS, PER_ADDRESS = 8, 4
+OPEN_SLOTS = SLOTS - SLOTS // 4  # what connections that never authenticated may hold: 6 of the 8
+
+
 @pytest.fixture(scope="module")
 def capped_server(start_server: Callable[..., ApiServer]) -> ApiServer:
     """A server that serves two connections at once and lets idle ones stay open for the whole test."""
-    return start_server("--max-connections", "2", "--header-timeout", "600", "--keep-alive-timeout", "600")
+    return start_server("--max-connections", "2", *PATIENT)
 
 
-def _connect(server: ApiServer) -> socket.socket:
+@pytest.fixture(scope="module")
+def slotted_server(start_server: Callable[..., ApiServer]) -> ApiServer:
+    """A server that serves 8 connections at once, 4 from one address, 2 of them kept for authenticated
+    connections."""
+    return start_server(
+        "--max-connections", str(SLOTS), "--max-connections-per-address", str(PER_ADDRESS), *PATIENT
+    )
+
+
+def _connect(server: ApiServer, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to ``server`` from the loopback address ``source``."""
     host, port = server.base_url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S)
+    return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S, source_address=(source, 0))
 
 
 def _read_to_eof(sock: socket.socket) -> bytes:
@@ -159,25 +177,79 @@ def test_malformed_request_gets_400_in_the_envelope(quick_server: ApiServer) -> 
         assert _envelope(_read_to_eof(sock), 400)["code"] == "invalid_http"
 
 
-def test_connections_beyond_the_cap_get_503(capped_server: ApiServer) -> None:
-    def admitted() -> socket.socket | None:
-        """A new connection that the server serves (the readiness probe's may not be released yet)."""
-        sock = _connect(capped_server)
-        sock.sendall(HEALTHZ)
-        if _read_response(sock)[0] == 200:
-            return sock
-        sock.close()
-        return None
+def _models(key: str) -> bytes:
+    """An authenticated request."""
+    return b"GET /v1/models HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer %s\r\n\r\n" % key.encode()
 
+
+def _assert_over_capacity(sock: socket.socket) -> None:
+    """The connection's first request is answered 503 with Retry-After, and the connection closed."""
+    sock.sendall(HEALTHZ)
+    refusal = _read_to_eof(sock)
+    error = _envelope(refusal, 503)
+    assert error["code"] == "server_overloaded" and error["type"] == "server_error"
+    assert b"\r\nretry-after: 1\r\n" in refusal.lower()
+
+
+def _answers(sock: socket.socket, request: bytes = HEALTHZ) -> bool:
+    """Whether the connection still answers ``request`` with a 200 (False: the server had closed it)."""
+    try:
+        sock.sendall(request)
+        if not sock.recv(1, socket.MSG_PEEK):
+            return False
+    except (ConnectionResetError, BrokenPipeError):
+        return False
+    return _read_response(sock)[0] == 200
+
+
+def _admitted(server: ApiServer, request: bytes, source: str = "127.0.0.1") -> socket.socket | None:
+    """A new connection that the server serves (the readiness probe's may not be released yet)."""
+    sock = _connect(server, source)
+    if _answers(sock, request):
+        return sock
+    sock.close()
+    return None
+
+
+def test_connections_beyond_the_cap_get_503(capped_server: ApiServer) -> None:
+    """Once authenticated connections hold every slot, a new one is refused."""
+    _, key = run_db(capped_server.database_url, capped_server.create_tenant)
+    admitted = lambda: _admitted(capped_server, _models(key))  # noqa: E731
     first = wait_until(admitted, what="a first admitted connection")
     second = wait_until(admitted, what="a second admitted connection")
     with first, second, _connect(capped_server) as third:
-        third.sendall(HEALTHZ)
-        refusal = _read_to_eof(third)
-        error = _envelope(refusal, 503)
-        assert error["code"] == "server_overloaded" and error["type"] == "server_error"
-        assert b"\r\nretry-after: 1\r\n" in refusal.lower()
-        second.sendall(HEALTHZ)
-        assert _read_response(second)[0] == 200  # admitted connections keep being served
+        _assert_over_capacity(third)
+        assert _answers(second, _models(key))  # admitted connections keep being served
     with wait_until(admitted, what="a connection admitted once others closed"):
         pass
+
+
+def test_one_address_gets_at_most_its_share_of_connections(slotted_server: ApiServer) -> None:
+    with ExitStack() as stack:
+        for _ in range(PER_ADDRESS):
+            admitted = wait_until(lambda: _admitted(slotted_server, HEALTHZ), what="a connection admitted")
+            stack.enter_context(admitted)
+        _assert_over_capacity(stack.enter_context(_connect(slotted_server)))
+        assert _answers(stack.enter_context(_connect(slotted_server, "127.0.0.2")))  # another address
+
+
+def test_idle_unauthenticated_connections_do_not_keep_an_authenticated_one_out(
+    slotted_server: ApiServer,
+) -> None:
+    """More idle connections than there are slots, then an authenticated request on a new connection: it is
+    served, and the idle connections that waited longest were closed for the newcomers."""
+    _, key = run_db(slotted_server.database_url, slotted_server.create_tenant)
+    with ExitStack() as stack:
+        idle = [
+            stack.enter_context(_connect(slotted_server, f"127.0.0.{3 + i // PER_ADDRESS}"))
+            for i in range(SLOTS)
+        ]
+        authenticated = stack.enter_context(_connect(slotted_server, "127.0.0.5"))
+        assert _answers(authenticated, _models(key))
+        answered = [_answers(sock) for sock in idle]
+        closed = answered.count(False)
+        assert answered == [False] * closed + [True] * (SLOTS - closed)  # the oldest were closed
+        assert SLOTS - closed <= OPEN_SLOTS
+        for i in range(SLOTS):  # another flood: the authenticated connection keeps its slot
+            stack.enter_context(_connect(slotted_server, f"127.0.0.{6 + i // PER_ADDRESS}"))
+        assert _answers(authenticated, _models(key))
