@@ -256,6 +256,8 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
         lifespan="on",
         log_level=log_level,
         timeout_graceful_shutdown=10,
+        # X-Forwarded-For/-Proto only from the proxies FORWARDED_ALLOW_IPS names (uvicorn trusts loopback)
+        proxy_headers="FORWARDED_ALLOW_IPS" in os.environ,
         **({"log_config": None} if settings.log_format == "json" else {}),  # uvicorn's lines in JSON too
     )
     logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())  # after uvicorn's logging setup

@@ -15,6 +15,8 @@ from dashboard.sources import DashboardSources
 PREFIX = "/admin"
 NAV = (("Overview", PREFIX), ("Tenants", f"{PREFIX}/tenants"), ("Requests", f"{PREFIX}/requests"))
 NAV += (("Exports", f"{PREFIX}/exports"),)
+# No page may be shown in another site's frame (clickjacking): CSP for today's browsers, XFO for older ones
+NO_FRAMES = {"content-security-policy": "frame-ancestors 'none'", "x-frame-options": "DENY"}
 
 
 class Refused(Exception):
@@ -72,12 +74,12 @@ class Dashboard:
         headers: dict[str, str] | None = None,
         **context: Any,
     ) -> Template:
-        """A dashboard page with the layout's context (navigation, CSRF field); never cached."""
+        """A dashboard page with the layout's context (navigation, CSRF field); never cached or framed."""
         return Template(
             template_name=template,
             context={**self.layout_context(request, session), **context},
             status_code=status,
-            headers={"cache-control": "no-store", **(headers or {})},
+            headers={"cache-control": "no-store", **NO_FRAMES, **(headers or {})},
         )
 
     def layout_context(self, request: Request, session: Session | None) -> dict[str, Any]:

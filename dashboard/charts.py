@@ -133,5 +133,5 @@ def chart(
     parts.extend(_legend(series, target))
     return Markup(
         f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" role="img" '
-        f'aria-label="{escape(title)}" class="chart">{"".join(parts)}</svg>'
+        f'aria-label="{escape(title)}" class="chart" data-intervals="{n}">{"".join(parts)}</svg>'
     )

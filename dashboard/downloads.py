@@ -9,7 +9,7 @@ from litestar import Request, get
 from litestar.response import Stream, Template
 
 from dashboard.access import PREFIX, Dashboard, Refused
-from dashboard.ranges import parse_moment
+from dashboard.ranges import iso_text, parse_moment
 from tenants.admin import get_tenant, list_tenants
 from tenants.exports import (
     GRANULARITIES,
@@ -69,7 +69,8 @@ async def download(
         chunks, media_type = focus_chunks(rows, FocusSettings.from_env()), "text/csv; charset=utf-8"
     else:
         chunks, media_type = csv_chunks(rows), "text/csv; charset=utf-8"
-    name = f"weir-{file.replace('usage', f'usage-{granularity}-{since}-{until}')}".replace(":", "")
+    period = f"{iso_text(start)}-{iso_text(end)}".replace(":", "")  # the parsed moments, never the raw text
+    name = f"weir-{file.replace('usage', f'usage-{granularity}-{period}')}"
     return Stream(
         chunks,
         media_type=media_type,

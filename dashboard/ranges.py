@@ -8,7 +8,7 @@ from urllib.parse import urlencode
 
 from litestar.params import QueryParameter
 
-from tenants.reporting import Step, Window
+from tenants.reporting import MAX_SERIES_POINTS, Step, Window, series_length
 
 SPANS = {
     "1h": timedelta(hours=1),
@@ -18,6 +18,8 @@ SPANS = {
 }
 DEFAULT_SPAN = "24h"
 HOURLY_UP_TO = timedelta(days=2)  # longer windows are charted per UTC day
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)  # the moments a range or an export may name
+LATEST = datetime(2100, 1, 1, tzinfo=UTC)
 
 
 class BadRange(ValueError):
@@ -25,16 +27,24 @@ class BadRange(ValueError):
 
 
 def parse_moment(name: str, text: str) -> datetime:
-    """A UTC moment from an ISO date (its midnight) or an ISO time (without a zone: UTC)."""
+    """A UTC moment from an ISO date (its midnight) or an ISO time (without a zone: UTC), from
+    ``EARLIEST`` to ``LATEST``."""
+    moment: datetime | None
     try:
         if len(text) == 10:
-            return datetime.combine(date.fromisoformat(text), datetime.min.time(), UTC)
-        moment = datetime.fromisoformat(text)
+            moment = datetime.combine(date.fromisoformat(text), datetime.min.time(), UTC)
+        else:
+            moment = datetime.fromisoformat(text)
+            moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     except ValueError:
         raise BadRange(
             f"{name} must be an ISO date (2026-05-01) or time (2026-05-01T12:00), got {text!r}"
         ) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:  # a time in year 1 or 9999 whose offset takes it out of the calendar
+        moment = None
+    if moment is None or not EARLIEST <= moment <= LATEST:
+        raise BadRange(f"{name} must be from {iso_text(EARLIEST)} to {iso_text(LATEST)} (UTC), got {text!r}")
+    return moment
 
 
 @dataclass(frozen=True)
@@ -53,11 +63,12 @@ class Range:
         if self.name != "custom":
             return urlencode({"range": self.name})
         return urlencode(
-            {"range": "custom", "since": _iso(self.window.since), "until": _iso(self.window.until)}
+            {"range": "custom", "since": iso_text(self.window.since), "until": iso_text(self.window.until)}
         )
 
 
-def _iso(moment: datetime) -> str:
+def iso_text(moment: datetime) -> str:
+    """``moment`` (UTC) as an ISO date when it is a midnight, else as an ISO time to the second."""
     if moment.time() == datetime.min.time():
         return moment.date().isoformat()
     return moment.strftime("%Y-%m-%dT%H:%M:%S")
@@ -82,8 +93,15 @@ def select_range(
     start = parse_moment("since", since)
     end = parse_moment("until", until) if until else now
     if end <= start:
-        raise BadRange(f"until ({_iso(end)}) must be after since ({_iso(start)})")
-    return Range("custom", Window(start, end))
+        raise BadRange(f"until ({iso_text(end)}) must be after since ({iso_text(start)})")
+    selected = Range("custom", Window(start, end))
+    points = series_length(selected.window, selected.step)
+    if points > MAX_SERIES_POINTS:
+        raise BadRange(
+            f"a custom range may cover at most {MAX_SERIES_POINTS} UTC days (a chart point each); "
+            f"{iso_text(start)} to {iso_text(end)} covers {points}"
+        )
+    return selected
 
 
 def range_from_query(

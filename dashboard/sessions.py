@@ -19,6 +19,7 @@ CSRF_FIELD = "_csrf_token"
 IDLE_TIMEOUT_S = 2 * 3600.0
 LIFETIME_S = 12 * 3600.0
 MAX_SESSIONS = 10_000  # the oldest are dropped beyond this (sign-in forms opened and never used)
+MAX_ADDRESSES = 10_000  # addresses whose failed sign-ins are kept
 
 
 @dataclass
@@ -80,13 +81,17 @@ class SessionStore:
 
 class SignInLimiter:
     """At most ``attempts`` failed sign-ins per client address in ``window_s``; then refused until the
-    oldest failure is ``window_s`` old, whatever token is sent."""
+    oldest failure is ``window_s`` old, whatever token is sent.
+
+    The failures of at most ``MAX_ADDRESSES`` addresses are kept, ordered by their latest failure: those
+    whose failures are all older than the window go first, then, when that is not enough, the addresses
+    that failed longest ago."""
 
     def __init__(self, attempts: int = 5, window_s: float = 300.0, clock=time.monotonic) -> None:
         self.attempts = attempts
         self.window_s = window_s
         self._clock = clock
-        self._failures: dict[str, deque[float]] = {}
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
     def _recent(self, address: str) -> deque[float]:
         failures = self._failures.get(address, deque())
@@ -105,7 +110,12 @@ class SignInLimiter:
         return max(0.0, failures[0] + self.window_s - self._clock())
 
     def failed(self, address: str) -> None:
-        if len(self._failures) > MAX_SESSIONS:
-            for stale in [a for a in self._failures if not self._recent(a)]:
-                self._failures.pop(stale, None)
-        self._failures.setdefault(address, deque()).append(self._clock())
+        now = self._clock()
+        self._failures.setdefault(address, deque()).append(now)
+        self._failures.move_to_end(address)
+        cutoff = now - self.window_s
+        while self._failures:
+            oldest = next(iter(self._failures.values()))
+            if oldest[-1] > cutoff and len(self._failures) <= MAX_ADDRESSES:
+                break
+            self._failures.popitem(last=False)

@@ -47,6 +47,7 @@ from tenants.rollups import (
 
 Step = Literal["hour", "day"]
 MAX_PAGE = 500
+MAX_SERIES_POINTS = 500  # the most intervals one series holds (a chart is 484 pixels wide)
 
 
 @dataclass(frozen=True)
@@ -422,14 +423,28 @@ async def tenant_table(db: AsyncEngine, window: Window) -> list[TenantFigures]:
     ]
 
 
-async def tenant_series(db: AsyncEngine, tenant_id: int, window: Window, step: Step) -> list[SeriesPoint]:
-    """One point per hour or UTC day of ``window`` (every interval, empty ones too), at the interval's
-    start (the first one at its hour or day, even when the window starts later)."""
+def _step_size(step: Step) -> timedelta:
     if step not in ("hour", "day"):
         raise InvalidValue(f"step must be 'hour' or 'day', got {step!r}")
+    return HOUR if step == "hour" else DAY
+
+
+def series_length(window: Window, step: Step) -> int:
+    """How many hours or UTC days of ``window`` a series has a point for (partial ones included)."""
+    size = _step_size(step)
+    return -((floor_to(window.since, size) - window.until) // size)
+
+
+async def tenant_series(db: AsyncEngine, tenant_id: int, window: Window, step: Step) -> list[SeriesPoint]:
+    """One point per hour or UTC day of ``window`` (every interval, empty ones too), at the interval's
+    start (the first one at its hour or day, even when the window starts later); at most
+    ``MAX_SERIES_POINTS`` of them, else ``InvalidValue``."""
+    length = series_length(window, step)
+    if length > MAX_SERIES_POINTS:
+        raise InvalidValue(f"a series holds at most {MAX_SERIES_POINTS} {step}s, not {length}")
     await refresh_rollups(db)
     figures = await _grouped(db, window, step, tenant_id)
-    size = HOUR if step == "hour" else DAY
+    size = _step_size(step)
     points, start = [], floor_to(window.since, size)
     while start < window.until:
         f = figures.get(start, UsageFigures())

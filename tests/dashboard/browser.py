@@ -65,6 +65,14 @@ def signed_in_client(base_url: str, token: str) -> Iterator[httpx.Client]:
         yield client
 
 
+def fail_sign_in(base_url: str, headers: dict[str, str]) -> None:
+    """One sign-in with a wrong token, sent with ``headers``."""
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        token = csrf_token(client.get("/admin/login").text)
+        wrong = client.post("/admin/login", data={"token": "a-guess", "_csrf_token": token}, headers=headers)
+        assert wrong.status_code == 401
+
+
 def figure(page: Page, name: str) -> str:
     return page.inner_text(f"[data-figure={name}]")
 

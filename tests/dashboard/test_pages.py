@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import re
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -289,3 +290,37 @@ def test_a_bad_range_is_a_clear_error(admin_page: Page, dashboard_server: ApiSer
         response = admin_page.goto(f"{base}{path}")
         assert response is not None and response.status == 400, path
         assert message in admin_page.inner_text("[role=alert]"), path
+
+
+def test_a_custom_range_is_bounded_to_500_chart_points(dashboard_server: ApiServer, traffic: Traffic) -> None:
+    """The longest custom range charts 500 UTC days; one day more, or a date out of 2000-2100 (year 1 to
+    9999 included), is a 400 that says why, before any figure is read."""
+    today = datetime.now(UTC).date()
+    longest = f"since={today - timedelta(days=499)}&until={today + timedelta(days=1)}"
+    refused = {
+        f"since={today - timedelta(days=500)}&until={today + timedelta(days=1)}": "covers 501",
+        "since=0001-01-01&until=9999-12-31": "since must be from 2000-01-01 to 2100-01-01",
+        "since=2000-01-01&until=2100-01-01": "at most 500 UTC days",
+        "since=0001-01-01T00:00%2B01:00&until=2026-01-01": "since must be from 2000-01-01",
+    }
+    with signed_in_client(dashboard_server.base_url, dashboard_server.admin_token) as client:
+        page = client.get(f"/admin/tenants/initech?range=custom&{longest}")
+        assert page.status_code == 200
+        intervals = [int(n) for n in re.findall(r'class="chart" data-intervals="(\d+)"', page.text)]
+        assert intervals == [500] * 4
+        for query, message in refused.items():
+            for path in ("/admin", "/admin/tenants", "/admin/tenants/initech"):
+                response = client.get(f"{path}?range=custom&{query}")
+                assert response.status_code == 400, (path, query)
+                assert message in html.unescape(response.text), (path, query)
+
+
+def test_the_download_name_holds_the_parsed_dates(dashboard_server: ApiServer, traffic: Traffic) -> None:
+    """Whatever ISO spelling since and until have (a week date, a space, an offset), the file is named
+    by the UTC moments they stand for."""
+    query = {"since": "2026-W01-1", "until": "2026-01-02 01:00+01:00", "granularity": "hour"}
+    with signed_in_client(dashboard_server.base_url, dashboard_server.admin_token) as client:
+        response = client.get("/admin/exports/usage.jsonl", params=query)
+    assert response.status_code == 200
+    name = "weir-usage-hour-2025-12-29-2026-01-02.jsonl"
+    assert response.headers["content-disposition"] == f'attachment; filename="{name}"'

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from playwright.sync_api import Browser
 
+from dashboard.sessions import MAX_ADDRESSES, SignInLimiter
 from tests.api.server import ApiServer, wait_until
-from tests.dashboard.browser import VIEWPORT, csrf_token, screenshot, sign_in, signed_in_client
+from tests.dashboard.browser import (
+    VIEWPORT,
+    csrf_token,
+    fail_sign_in,
+    screenshot,
+    sign_in,
+    signed_in_client,
+)
 from tests.dashboard.conftest import Traffic
 
 
@@ -127,9 +136,60 @@ def test_sign_in_page_redirects_a_signed_in_admin(browser: Browser, dashboard_se
     context.close()
 
 
-def test_the_session_cookie_is_secure_over_https(dashboard_server: ApiServer) -> None:
-    """Behind a TLS-terminating proxy on this host (which says so in X-Forwarded-Proto) the cookie is
-    Secure; over plain HTTP it cannot be."""
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _addresses(count: int) -> list[str]:
+    return [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}" for i in range(count)]
+
+
+def test_failures_are_counted_after_more_than_ten_thousand_addresses_failed() -> None:
+    """Once the failures of more than ``MAX_ADDRESSES`` addresses have left the window, the next failure
+    is counted (no error) and the address is refused after its fifth."""
+    clock = Clock()
+    limiter = SignInLimiter(attempts=5, window_s=300.0, clock=clock)
+    for address in _addresses(MAX_ADDRESSES + 1):
+        limiter.failed(address)
+    clock.now = 301.0
+    for _ in range(5):
+        assert limiter.retry_after_s("203.0.113.9") == 0
+        limiter.failed("203.0.113.9")
+    assert limiter.retry_after_s("203.0.113.9") == 300.0
+
+
+def test_the_limiter_keeps_at_most_ten_thousand_addresses() -> None:
+    """Beyond ``MAX_ADDRESSES`` addresses with failures in the window, the one whose latest failure is
+    oldest is forgotten first; the others stay refused."""
+    clock = Clock()
+    limiter = SignInLimiter(attempts=5, window_s=300.0, clock=clock)
+    for address in ("198.51.100.1", "198.51.100.2"):
+        for _ in range(5):
+            limiter.failed(address)
+        clock.now += 1.0
+    for address in _addresses(MAX_ADDRESSES - 1):
+        limiter.failed(address)
+    assert limiter.retry_after_s("198.51.100.1") == 0
+    assert limiter.retry_after_s("198.51.100.2") == 299.0
+    limiter.failed("198.51.100.3")
+    assert limiter.retry_after_s("198.51.100.2") == 0
+
+
+def test_x_forwarded_headers_are_ignored_by_default(dashboard_server: ApiServer) -> None:
+    """Without FORWARDED_ALLOW_IPS no proxy is trusted, not even on loopback: a failed sign-in counts
+    against the connection's address whatever X-Forwarded-For says, and X-Forwarded-Proto makes no
+    cookie Secure."""
+    before = dashboard_server.log_path.read_text().count("admin sign-in from 127.0.0.1 failed")
+    fail_sign_in(dashboard_server.base_url, {"x-forwarded-for": "203.0.113.7"})
+    wait_until(
+        lambda: dashboard_server.log_path.read_text().count("admin sign-in from 127.0.0.1 failed") > before,
+        what="the failure in the server's log",
+    )
+    assert "203.0.113.7" not in dashboard_server.log_path.read_text()
     with httpx.Client(base_url=dashboard_server.base_url, timeout=30) as client:
         plain = client.get("/admin/login").headers["set-cookie"]
         proxied = client.get("/admin/login", headers={"x-forwarded-proto": "https"}).headers["set-cookie"]
@@ -137,5 +197,13 @@ def test_the_session_cookie_is_secure_over_https(dashboard_server: ApiServer) ->
         attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")}
         assert {"httponly", "path", "samesite"} <= attributes
         assert "samesite=strict" in cookie.lower()
-    assert "secure" not in plain.lower()
-    assert "; secure" in proxied.lower()
+        assert "secure" not in cookie.lower()
+
+
+@pytest.mark.parametrize("path", ["/admin/login", "/admin/tenants/nobody"])
+def test_pages_may_not_be_framed(dashboard_server: ApiServer, path: str) -> None:
+    with signed_in_client(dashboard_server.base_url, dashboard_server.admin_token) as client:
+        response = client.get(path, follow_redirects=True)
+    assert response.status_code in (200, 404)
+    assert response.headers["content-security-policy"] == "frame-ancestors 'none'"
+    assert response.headers["x-frame-options"] == "DENY"

@@ -10,11 +10,13 @@ import pytest
 from tenants.admin import create_key, create_tenant
 from tenants.records import InvalidValue
 from tenants.reporting import (
+    MAX_SERIES_POINTS,
     LedgerFilter,
     Window,
     ledger_entry,
     ledger_page,
     overview,
+    series_length,
     tenant_series,
     tenant_table,
 )
@@ -84,3 +86,18 @@ async def test_overview_table_series_and_ledger(db_engine):
         await ledger_page(db_engine, LedgerFilter(), "garbage!", 10)
     with pytest.raises(InvalidValue):
         Window(T0, T0)
+
+
+async def test_a_series_holds_at_most_500_points(db_engine):
+    tenant = await create_tenant(db_engine, "gamma")
+    start = datetime(2025, 1, 1, 6, tzinfo=UTC)  # not a midnight: the first day counts from its start
+    longest = Window(start, start + timedelta(days=499))
+    assert series_length(longest, "day") == MAX_SERIES_POINTS == 500
+    assert len(await tenant_series(db_engine, tenant.id, longest, "day")) == 500
+    too_long = Window(start, start + timedelta(days=499, hours=19))
+    assert series_length(too_long, "day") == 501
+    with pytest.raises(InvalidValue, match="at most 500 days, not 501"):
+        await tenant_series(db_engine, tenant.id, too_long, "day")
+    fifty_days = Window(start, start + timedelta(days=50, minutes=1))
+    with pytest.raises(InvalidValue, match="at most 500 hours, not 1201"):
+        await tenant_series(db_engine, tenant.id, fifty_days, "hour")
