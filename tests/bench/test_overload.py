@@ -60,7 +60,7 @@ def test_overload_runs_both_policies_on_servers_of_its_own(
     tiny_model_dir, pg_server_url, migrated_template, tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "overload.json"
-    options = ["--model", str(tiny_model_dir), "--dtype", "float32", "--seconds", "3", "--out", str(out)]
+    options = ["--model", str(tiny_model_dir), "--dtype", "float32", "--seconds", "1", "--out", str(out)]
     with copy_of_template(pg_server_url, migrated_template, prefix="weir_overload") as url:
         monkeypatch.setenv("DATABASE_URL", url)
         assert main(["bench", "overload", *options]) == 0

@@ -17,7 +17,7 @@ def test_short_soak_serves_the_mix_and_passes_its_checks(
     out = tmp_path / "soak.json"
     # one dtype, so that start-up measures no other: oneDNN keeps memory per row count it meets, bounded
     # by rounding rows (engine/models/dense.py), and a 12-second run should meet the same few shapes
-    options = ["--minutes", "0.2", "--sample-s", "2", "--capacity-s", "4", "--capacity-clients", "4"]
+    options = ["--minutes", "0.2", "--sample-s", "2", "--capacity-s", "2", "--capacity-clients", "4"]
     options += ["--dtype", "float32"]
     with copy_of_template(pg_server_url, migrated_template, prefix="weir_soak") as url:
         monkeypatch.setenv("DATABASE_URL", url)
