@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from litestar.datastructures import State
 from litestar.plugins import PluginProtocol
 
 from api.admin_api import ADMIN_ROUTES
@@ -30,8 +31,6 @@ def create_app(settings: Settings) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.services = services
-        app.state.telemetry = telemetry
         await services.start()
         telemetry.observe(services.engine.stats, services.store, settings.state_dir / "spill")
         try:
@@ -51,6 +50,7 @@ def create_app(settings: Settings) -> Litestar:
         template_config=template_config(),
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
+        state=State({"services": services, "telemetry": telemetry}),  # the server drains services.drain
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
         logging_config=None,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import ipaddress
 
+from api.drain import add_drain_option
 from api.engine_options import add_engine_options, engine_config
 
 
@@ -27,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--port", type=int, help="listen on this TCP port")
     where.add_argument("--socket", metavar="PATH", help="listen on this unix socket")
     add_engine_options(parser)
+    add_drain_option(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=_engine)
 
@@ -56,7 +58,7 @@ def _engine(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine = AsyncEngine(dataclasses.replace(config, model=str(model_dir)))
-    run_engine_server(engine, args.host, args.port, args.socket, args.log_level)
+    run_engine_server(engine, args.host, args.port, args.socket, args.log_level, args.drain_timeout)
     return 0
 
 

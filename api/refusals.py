@@ -21,13 +21,30 @@ _SHED_WHY = {
 }
 
 
+def _retry_soon(message: str, code: str) -> APIError:
+    """A 503 worth retrying after a second."""
+    return APIError(503, message, type="server_error", code=code, headers={"retry-after": "1"})
+
+
 def not_ready() -> APIError:
-    return APIError(
-        503,
-        "The server is starting; retry shortly.",
-        type="server_error",
-        code="not_ready",
-        headers={"retry-after": "1"},
+    return _retry_soon("The server is starting; retry shortly.", "not_ready")
+
+
+def draining() -> APIError:
+    """The 503 for a request that arrives while the server drains before it stops (``api/drain.py``); the
+    connection closes after it, so that the client's retry opens one to wherever it is routed now."""
+    refusal = _retry_soon(
+        "The server is shutting down and takes no new requests. Please retry; another replica will serve it.",
+        "server_overloaded",
+    )
+    refusal.headers["connection"] = "close"
+    return refusal
+
+
+def cut_at_shutdown() -> APIError:
+    """The error of a request the server stopped unfinished because its drain timed out."""
+    return _retry_soon(
+        "The server shut down before your request finished. Please retry.", "server_shutting_down"
     )
 
 

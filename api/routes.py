@@ -39,15 +39,22 @@ async def _authenticate(request: Request, services: Services) -> Principal:
 
 async def _completion(request: Request, struct: type[SamplingFields], operation: str) -> ASGIApp:
     services: Services = request.app.state.services
-    services.check_ready()
-    telemetry = tracing.begin(request.app.state.telemetry, operation)
-    with telemetry.child("auth"):
-        principal = await _authenticate(request, services)
-    async with services.store.rate_limit_headers_on_refusal(principal):
-        body = decode_body(await _read_body(request), struct)
-        with telemetry.generation(body, principal):
-            job = await services.admission.admit(principal, body)
-    return CompletionResponse(job, services.engine, services.settlement, services.settings.client_timeout_s)
+    services.check_accepting()
+    services.drain.enter()  # the response leaves the drain once it has ended
+    try:
+        telemetry = tracing.begin(request.app.state.telemetry, operation)
+        with telemetry.child("auth"):
+            principal = await _authenticate(request, services)
+        async with services.store.rate_limit_headers_on_refusal(principal):
+            body = decode_body(await _read_body(request), struct)
+            with telemetry.generation(body, principal):
+                job = await services.admission.admit(principal, body)
+    except BaseException:
+        services.drain.leave()
+        raise
+    return CompletionResponse(
+        job, services.engine, services.settlement, services.drain, services.settings.client_timeout_s
+    )
 
 
 @post("/v1/chat/completions", status_code=200, opt={REQUEST_BODY: ChatCompletionRequest})
@@ -63,7 +70,7 @@ async def completions(request: Request) -> ASGIApp:
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
     services: Services = request.app.state.services
-    services.check_ready()
+    services.check_accepting()
     await _authenticate(request, services)
     return {"object": "list", "data": [services.model.card()]}
 
@@ -71,7 +78,7 @@ async def list_models(request: Request) -> dict:
 @get("/v1/models/{model_id:str}")
 async def retrieve_model(request: Request, model_id: str) -> dict:
     services: Services = request.app.state.services
-    services.check_ready()
+    services.check_accepting()
     await _authenticate(request, services)
     services.model.check(model_id)
     return services.model.card()
@@ -85,11 +92,18 @@ async def healthz() -> dict:
 
 @get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Ready once the model is loaded and the database answers."""
+    """Ready once the model is loaded and the database answers, until a stop signal starts the drain."""
     services: Services = request.app.state.services
+    draining = services.drain.draining
     database = await services.store.reachable() if services.ready else False
-    ready = services.ready and database
-    body = {"ready": ready, "model": services.model.name if services.ready else None, "database": database}
+    ready = services.ready and database and not draining
+    body = {
+        "ready": ready,
+        "model": services.model.name if services.ready else None,
+        "database": database,
+        "draining": draining,
+        "in_flight": services.drain.open,  # completion requests admitted or in admission
+    }
     return Response(body, status_code=200 if ready else 503)
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 
+from api.drain import DRAIN_TIMEOUT_S, add_drain_option
 from api.engine_options import add_engine_options, engine_config
 from api.request_log import LOG_FORMATS, configure_logging
 from api.settings import Settings
@@ -62,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-body-bytes", type=int, default=Settings.max_body_bytes, help="largest request body accepted"
     )
+    add_drain_option(serve)
     _add_transport_options(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     _add_telemetry_options(serve)
@@ -214,7 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
     )
-    run_server(settings, limits, args.log_level)
+    run_server(settings, limits, args.log_level, args.drain_timeout)
     return 0
 
 
@@ -238,16 +240,24 @@ class _DroppedClientFilter(logging.Filter):
         return record.getMessage() != "ASGI callable returned without completing response."
 
 
-def run_server(settings: Settings, limits: TransportLimits, log_level: str = "info") -> None:
-    """Serve ``create_app(settings)`` with uvicorn, within ``limits``, until interrupted."""
+def run_server(
+    settings: Settings,
+    limits: TransportLimits,
+    log_level: str = "info",
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+) -> None:
+    """Serve ``create_app(settings)`` with uvicorn, within ``limits``, until a stop signal and the drain
+    that follows it (``api/drain.py``)."""
     import uvicorn
 
     from api.app import create_app
+    from api.draining_server import DrainingServer
     from api.http_protocol import limited_protocol
 
     configure_logging(settings.log_format, log_level)
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         http=limited_protocol(limits, settings.send_buffer_bytes),
@@ -255,13 +265,12 @@ def run_server(settings: Settings, limits: TransportLimits, log_level: str = "in
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         lifespan="on",
         log_level=log_level,
-        timeout_graceful_shutdown=10,
         # X-Forwarded-For/-Proto only from the proxies FORWARDED_ALLOW_IPS names (uvicorn trusts loopback)
         proxy_headers="FORWARDED_ALLOW_IPS" in os.environ,
         **({"log_config": None} if settings.log_format == "json" else {}),  # uvicorn's lines in JSON too
     )
     logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())  # after uvicorn's logging setup
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.services.drain, drain_timeout_s)
     server.run()
     if not server.started:
         raise SystemExit("weir serve: error: the server did not start (see the log above)")

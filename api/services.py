@@ -1,8 +1,9 @@
 """The parts one API process runs, built once by ``create_app`` and started in its lifespan.
 
 ``Services`` wires the engine, the tenant store, admission and settlement together and owns their order:
-the engine and the store start before the process is ready; on shutdown every settlement in flight ends
-before the store closes, and the engine stops last.
+the engine and the store start before the process is ready; on a stop signal the drain (``api/drain.py``)
+lets admitted requests end first; on shutdown every settlement in flight ends before the store closes, and
+the engine stops last.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import logging
 
 from api.admission import Admission
+from api.drain import Drain
 from api.heap import freeze_startup_heap
 from api.pool import BackendPool
-from api.refusals import model_not_found, not_ready
+from api.refusals import draining, model_not_found, not_ready
 from api.settings import Settings
 from api.settlement import Settlement
 from api.tenant_store import TenantStore
@@ -56,6 +58,7 @@ class Services:
         self.store = TenantStore(settings.database_url, settings.state_dir / "spill")
         self.admission = Admission(self.engine, self.model, self.store, settings)
         self.settlement = Settlement(self.store, self.engine, settings.weights)
+        self.drain = Drain()
         self.ready = False
 
     async def start(self) -> None:
@@ -75,3 +78,9 @@ class Services:
         """503 until the model is loaded and the tenant store open."""
         if not self.ready:
             raise not_ready()
+
+    def check_accepting(self) -> None:
+        """503 until ready, and while the process drains before it stops (new requests go elsewhere)."""
+        self.check_ready()
+        if self.drain.draining:
+            raise draining()

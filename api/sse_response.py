@@ -2,7 +2,8 @@
 
 Streamed requests get OpenAI's SSE framing; non-streamed ones one JSON body. Either way: a client that
 disconnects aborts the engine request at once, a client that stops reading for ``client_timeout_s`` is
-dropped, and the request is settled and metered exactly once in a shielded cleanup, however it ended.
+dropped, a request still running when the server's drain times out is cut (``api/drain.py``), and the
+request is settled and metered exactly once in a shielded cleanup, however it ended.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from api.drain import Drain
 from api.errors import APIError
 from api.metering import Job, Tracker
 from api.openai_format import DONE, json_bytes, sse
 from api.pool import BackendPool
+from api.refusals import cut_at_shutdown
 from api.settlement import Settlement
 from engine.types import RequestOutput
 
@@ -38,16 +41,24 @@ class ClientTooSlow(Exception):
 
 
 class CompletionResponse:
-    """ASGI app for one admitted completion request (``job``), streamed or not."""
+    """ASGI app for one admitted completion request (``job``), streamed or not; it has entered ``drain``
+    and leaves it once settled."""
 
     def __init__(
-        self, job: Job, engine: AsyncEngine | BackendPool, settlement: Settlement, client_timeout_s: float
+        self,
+        job: Job,
+        engine: AsyncEngine | BackendPool,
+        settlement: Settlement,
+        drain: Drain,
+        client_timeout_s: float,
     ) -> None:
         self.job = job
         self.tracker = Tracker(job)
         self._engine = engine
         self._settlement = settlement
+        self._drain = drain
         self._client_timeout_s = client_timeout_s
+        self._cut = False  # the server's drain timed out and ended the request
 
     async def __call__(self, scope: dict, receive, send) -> None:
         self._settlement.begin(self.job)
@@ -61,7 +72,16 @@ class CompletionResponse:
             self._drop()
         finally:
             watcher.cancel()
-            await self._settlement.finish(self.job, self.tracker)
+            try:
+                await self._settlement.finish(self.job, self.tracker)
+            finally:
+                self._drain.leave(self.job.request_id)
+
+    def cut(self) -> None:
+        """End the request at the drain's timeout: the engine stops it within a step; its client gets the
+        shutdown error after what was generated."""
+        self._cut = True
+        self._engine.abort(self.job.request_id)
 
     async def _watch_disconnect(self, receive) -> None:
         while True:
@@ -102,8 +122,13 @@ class CompletionResponse:
         A client that leaves or stalls has its request aborted; reading goes on until the engine's final
         delta (within a step), whose counts are what gets billed. Each delta is first held to the output
         the request has reserved (which it may extend while the client is there). Closing the iterator
-        early (an error here) aborts the request in the engine too.
+        early (an error here) aborts the request in the engine too. A request the drain has already cut
+        never reaches the engine.
         """
+        if not self._drain.track(self.job.request_id, self.cut):
+            self._cut = True
+            self.tracker.update(RequestOutput(self.job.request_id, finished=True, finish_reason="abort"))
+            return
         try:
             async with contextlib.aclosing(self._generate()) as outputs:
                 async for delta in outputs:
@@ -164,21 +189,24 @@ class CompletionResponse:
                     await self._body(send, sse(shape.chunk("", first=True)))
 
         async def emit(out: RequestOutput) -> None:
-            if out.text or self.tracker.completed:
+            completed = self.tracker.completed
+            if out.text or completed:
                 await open_stream()
-                await self._body(send, sse(shape.chunk(out.text, self.tracker.finish_reason)))
+                await self._body(
+                    send, sse(shape.chunk(out.text, self.tracker.finish_reason if completed else None))
+                )
 
         await self._consume(emit)
         if self.tracker.gone:
             return
-        if self.tracker.refused:
-            await self._answer(send, self.tracker.error())
+        if self.tracker.refused or (self._cut and not opened and not self.tracker.completed):
+            await self._answer(send, self._error())
             return
         await open_stream()
-        if not self.tracker.completed:  # failed after the stream started: an error event, then the end
-            await self._body(send, sse(self.tracker.error().body()))
-        elif shape.include_usage:
+        if shape.include_usage:  # also ahead of an error event: what the client is billed for
             await self._body(send, sse(shape.usage_chunk(self.tracker.usage())))
+        if not self.tracker.completed:  # failed after the stream started: an error event, then the end
+            await self._body(send, sse(self._error().body()))
         self.tracker.responded = True
         await self._body(send, DONE, more=False)
 
@@ -192,7 +220,11 @@ class CompletionResponse:
             )
             await self._answer(send, None, body)
         else:
-            await self._answer(send, self.tracker.error())
+            await self._answer(send, self._error())
+
+    def _error(self) -> APIError:
+        """Why the request did not complete: the drain's cut, or the tracker's failure or refusal."""
+        return cut_at_shutdown() if self._cut and not self.tracker.refused else self.tracker.error()
 
     async def _answer(self, send, error: APIError | None, body: dict | None = None) -> None:
         """The whole answer as one JSON body: ``body`` with 200, or ``error`` with its status and headers."""
