@@ -12,12 +12,25 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import step_batch
+from engine.models import PagedLlama
 from engine.scheduler import Scheduler, StepPlan
+from engine.tokenizer import Tokenizer
 
 
-def make_core(model_dir: Path, **config) -> EngineCore:
-    """A CPU core on ``model_dir`` with a small KV pool unless ``config`` says otherwise."""
-    return EngineCore.from_config(engine_config(model_dir, **config), progress=False)
+def make_core(model_dir: Path, model: PagedLlama | None = None, **config) -> EngineCore:
+    """A CPU core on ``model_dir`` with a small KV pool unless ``config`` says otherwise: over ``model``
+    (loaded from ``model_dir`` in ``config``'s dtype) where given, else loading its own."""
+    settings = engine_config(model_dir, **config)
+    if model is None:
+        return EngineCore.from_config(settings, progress=False)
+    return EngineCore(
+        model,
+        Tokenizer(model_dir),
+        settings,
+        num_blocks=settings.num_kv_blocks,
+        device=torch.device("cpu"),
+        model_name=model_dir.name,
+    )
 
 
 def engine_config(model_dir: Path, **config) -> EngineConfig:

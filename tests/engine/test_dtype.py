@@ -20,9 +20,8 @@ from engine.models.dtype_choice import (
     choose_dtype,
     pad_small_batches,
 )
-from engine.tokenizer import Tokenizer
 from tests.engine.engine_helpers import make_core, random_prompts
-from tests.engine.test_engine_greedy import QUESTIONS, run_greedy
+from tests.engine.test_engine_greedy import run_greedy
 from tests.engine.test_model_interface import one_prompt
 from tests.fixtures.models import hf_greedy
 
@@ -95,7 +94,9 @@ def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0, -1].float()
 
 
-def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path) -> None:
+def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(
+    smollm2_dir: Path, smollm2_prompts: list[list[int]]
+) -> None:
     """Same tokens as transformers in bf16, except at near-ties: where the two tokens' logits are within two
     bf16 roundings of each other in transformers' own full forward in bf16 or in fp32 (there the order of
     roundings decides, and no kernel order is canonical: on a CPU with AMX, transformers' cached generate
@@ -103,8 +104,7 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(smollm2_dir: Path
     meet an exact bf16 tie or one within a rounding)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = Tokenizer(smollm2_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = smollm2_prompts
     expected = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype="bfloat16")
     got = run_greedy(smollm2_dir, prompts, NEW_TOKENS, {"dtype": "bfloat16"})
     assert sum(e == g for e, g in zip(expected, got, strict=True)) >= len(prompts) // 2

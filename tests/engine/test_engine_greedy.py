@@ -9,7 +9,7 @@ import pytest
 
 from engine.client import AsyncEngine
 from engine.core import generate_offline
-from engine.tokenizer import Tokenizer
+from engine.models import PagedLlama
 from engine.types import SamplingParams
 from tests.engine.engine_helpers import engine_config, make_core, random_prompts
 from tests.fixtures.models import hf_greedy
@@ -26,16 +26,6 @@ SMOL_SETUPS = {
     "whole-prompts": {},
     "chunks-of-16-tiny-kv-pool": {"num_kv_blocks": 16, "prefill_chunk_size": 16},
 }
-QUESTIONS = (
-    "Hi",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three colors.",
-    "Explain in one sentence why the sky is blue, as you would to a curious child who keeps asking why.",
-    "2+2=?",
-    "Name a famous painting by Leonardo da Vinci and say where it hangs today.",
-    "Translate 'good morning' into Spanish.",
-)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +34,10 @@ def tiny_case(tiny_model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, hf_greedy(tiny_model_dir, prompts, TINY_NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def smol_case(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    tokenizer = Tokenizer(smollm2_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    assert len({len(p) for p in prompts}) == len(prompts)
-    return prompts, hf_greedy(smollm2_dir, prompts, SMOL_NEW_TOKENS)
-
-
-def run_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, setup: dict) -> list[list[int]]:
-    core = make_core(model_dir, **setup)
+def run_greedy(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, setup: dict, model: PagedLlama | None = None
+) -> list[list[int]]:
+    core = make_core(model_dir, model, **setup)
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     outputs = generate_offline(core, [(prompt, params) for prompt in prompts])
     stats = core.stats()
@@ -71,9 +55,13 @@ def test_tiny_model_engine_matches_transformers(tiny_model_dir: Path, tiny_case,
 
 
 @pytest.mark.parametrize("setup", SMOL_SETUPS)
-def test_smollm2_engine_matches_transformers(smollm2_dir: Path, smol_case, setup: str) -> None:
-    prompts, expected = smol_case
-    assert run_greedy(smollm2_dir, prompts, SMOL_NEW_TOKENS, SMOL_SETUPS[setup]) == expected
+def test_smollm2_engine_matches_transformers(
+    smollm2_dir: Path, smollm2_model: PagedLlama, smollm2_prompts, smollm2_reference, setup: str
+) -> None:
+    assert len({len(p) for p in smollm2_prompts}) == len(smollm2_prompts)
+    expected = [tokens[:SMOL_NEW_TOKENS] for tokens in smollm2_reference]
+    got = run_greedy(smollm2_dir, smollm2_prompts, SMOL_NEW_TOKENS, SMOL_SETUPS[setup], smollm2_model)
+    assert got == expected
 
 
 async def test_async_engine_concurrent_streams_match_transformers(tiny_model_dir: Path, tiny_case) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.core import EngineCore, generate_offline
+from engine.models import PagedLlama
 from engine.types import RequestOutput, SamplingParams
 from tests.engine.engine_helpers import make_core, random_prompts
 
@@ -55,8 +56,8 @@ def test_stop_string_straddling_tokens_ends_the_output_and_is_never_emitted(tiny
 
 
 @pytest.fixture(scope="module")
-def smol_core(smollm2_dir: Path) -> EngineCore:
-    return make_core(smollm2_dir)
+def smol_core(smollm2_dir: Path, smollm2_model: PagedLlama) -> EngineCore:
+    return make_core(smollm2_dir, smollm2_model)
 
 
 def test_stop_token_id_ends_the_output_with_its_id_but_no_text(tiny_model_dir: Path) -> None:
