@@ -17,7 +17,7 @@ class TransportLimits:
     """Bounds on every connection; the defaults are ``weir serve``'s."""
 
     max_connections: int = 512  # served at once; one more gets a 503 on its first request
-    max_connections_per_address: int = 64  # served at once from one client address
+    max_connections_per_address: int = 256  # served at once from one client address: half the slots
     header_timeout_s: float = 10.0  # from the connection's opening, or a reused one's first byte of a request
     body_timeout_s: float = 30.0  # from the end of the headers
     keep_alive_timeout_s: float = 5.0  # idle between requests

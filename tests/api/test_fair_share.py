@@ -19,6 +19,7 @@ from tests.fixtures.database import copy_of_template
 
 DEADLINE_GRACE_S = 0.2
 PATIENT_S = 600.0  # a TTFT target no request here misses: shedding plays no part
+MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def fair_server(
     """Two running sequences at most and small steps, so that the order of service is what decides."""
     options = [
         "--policy", "fair",
-        "--max-num-seqs", "2",
+        "--max-num-seqs", str(MAX_NUM_SEQS),
         "--max-batched-tokens", "128",
         "--kv-cache-memory", "8",
         "--deadline-grace", str(DEADLINE_GRACE_S),
@@ -45,6 +46,11 @@ def fair_server(
 def _tenant(server: ApiServer, **options) -> tuple[int, openai.AsyncOpenAI]:
     tenant_id, key = run_db(server.database_url, server.create_tenant, **options)
     return tenant_id, openai.AsyncOpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=300)
+
+
+def _waiting(server: ApiServer, tenant_id: int) -> int:
+    """The tenant's requests waiting in the engine now."""
+    return server.admin("engine")["waiting_by_tenant"].get(str(tenant_id), 0)
 
 
 def _model(server: ApiServer) -> str:
@@ -105,18 +111,21 @@ async def test_a_light_tenant_is_not_shed_while_a_heavy_one_floods_the_queue(fai
     light_id, light = _tenant(fair_server, ttft_target_s=target_s)
     flood = [asyncio.create_task(_complete(heavy, model, _prompt(5000 + i, 1900), 4)) for i in range(40)]
     await asyncio.to_thread(wait_until, lambda: fair_server.admin("engine")["waiting"] >= 30, 60.0, "a flood")
-    answers = []
+    answers, heavy_started = [], []
     for i in range(4):  # one after another, each while the flood still waits
+        before = _waiting(fair_server, heavy_id)
         answers.append(await _complete(light, model, _prompt(9000 + i, 16), 4))
+        heavy_started.append(before - _waiting(fair_server, heavy_id))
     assert answers == [4, 4, 4, 4]
     assert fair_server.admin("engine")["waiting"] > 0  # the flood was still queued when the last one ended
+    # Each light request went ahead of the flood queued before it: while it waited and ran, no more heavy
+    # requests left the queue than there are running places (first come, first served would have started
+    # every one of them first).
+    assert all(count <= MAX_NUM_SEQS for count in heavy_started), heavy_started
     await asyncio.gather(*flood)
     assert fair_server.shed_reasons(light_id) == []
-    light_rows = fair_server.wait_usage(light_id, 4)
-    heavy_rows = fair_server.wait_usage(heavy_id, 40)
-    # The heavy queue was longer than the light tenant's target, and the light requests started within it.
-    assert max(r["ttft_s"] for r in heavy_rows) > target_s
-    assert max(r["queue_s"] for r in light_rows) < target_s
+    assert len(fair_server.wait_usage(light_id, 4)) == 4
+    assert len(fair_server.wait_usage(heavy_id, 40)) == 40
 
 
 async def test_a_request_shed_under_overload_is_refused_before_it_is_tokenized_or_reserved(
